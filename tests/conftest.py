@@ -1,0 +1,37 @@
+import os
+
+# Triton kernels run on CPU tensors only through the interpreter, and the switch must be set before
+# any @triton.jit decorator runs. A machine with CUDA runs the real kernels instead.
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+SHARED_DATA = os.path.join(SHARED, "data")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shared_data() -> str:
+    if not os.path.isdir(SHARED_DATA):
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
