@@ -1,0 +1,180 @@
+"""EAGLE3 draft checkpoints: a directory with `config.json` and the weights.
+
+Weights: `model.safetensors`, a sharded `model.safetensors.index.json`, or `pytorch_model.bin`
+read with `torch.load(weights_only=True)` (a checkpoint never gets to unpickle arbitrary objects).
+Names are SpecForge / EAGLE's (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`,
+`t2d`); speculators' `layers.0.*` and a leading `model.` are accepted. The target's embedding is
+not part of a draft checkpoint; one that carries `embed_tokens.weight` anyway can supply it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from .config import Eagle3Config
+
+if TYPE_CHECKING:
+    from .model import Eagle3Draft
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+EMBED_NAME = "embed_tokens.weight"
+
+
+def read_config(path: str | os.PathLike) -> Eagle3Config:
+    """The `Eagle3Config` of a checkpoint directory."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in draft checkpoint directory {path}")
+    with open(file) as f:
+        return Eagle3Config.from_dict(json.load(f))
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """All tensors of a checkpoint directory under canonical names (`midlayer.*`, no `model.` prefix)."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if (root / SAFETENSORS_FILE).is_file():
+        raw = load_file(root / SAFETENSORS_FILE)
+    elif (root / SAFETENSORS_INDEX_FILE).is_file():
+        with open(root / SAFETENSORS_INDEX_FILE) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        raw = {}
+        for shard in shards:
+            raw.update(load_file(root / shard))
+    elif (root / BIN_FILE).is_file():
+        try:
+            raw = torch.load(root / BIN_FILE, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(f"{root / BIN_FILE} holds more than tensors; refusing to unpickle it") from err
+        if not isinstance(raw, dict) or not all(isinstance(v, Tensor) for v in raw.values()):
+            raise ValueError(f"{root / BIN_FILE} must hold a dict of name -> tensor")
+    else:
+        raise FileNotFoundError(
+            f"no weights in draft checkpoint directory {path}: expected {SAFETENSORS_FILE}, "
+            f"{SAFETENSORS_INDEX_FILE} or {BIN_FILE}"
+        )
+    out: dict[str, Tensor] = {}
+    for name, tensor in raw.items():
+        canonical = _canonical_name(name)
+        if canonical in out:
+            raise ValueError(f"checkpoint has tensor {canonical!r} twice (under two naming schemes)")
+        out[canonical] = tensor
+    return out
+
+
+def _canonical_name(name: str) -> str:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def load_checkpoint(cls: type["Eagle3Draft"], path: str | os.PathLike, embed_tokens: Tensor | nn.Embedding | None,
+                    dtype: torch.dtype | None, device: torch.device | str | None) -> "Eagle3Draft":
+    """Build `cls` from a checkpoint directory; every missing, unexpected or misshaped tensor is an error."""
+    config = read_config(path)
+    tensors = read_tensors(path)
+    stored_embed = tensors.pop(EMBED_NAME, None)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    _complete_vocab_maps(tensors, config)
+    _check_names_and_shapes(tensors, expected, config)
+    if dtype is None:
+        dtype = tensors["fc.weight"].dtype
+    device = torch.device("cpu") if device is None else torch.device(device)
+    state = {}
+    for name, tensor in tensors.items():
+        if name == "d2t":
+            tensor = tensor.to(torch.int64)
+        elif name == "t2d":
+            tensor = tensor.to(torch.bool)
+        else:
+            tensor = tensor.to(dtype)
+        state[name] = tensor.to(device)
+    model.load_state_dict(state, strict=True, assign=True)
+    _check_vocab_maps(model.d2t, model.t2d, config)
+    embed = embed_tokens if embed_tokens is not None else stored_embed
+    if embed is not None:
+        model.attach_embedding(embed if embed_tokens is not None else embed.to(device))
+    return model
+
+
+def save_checkpoint(model: "Eagle3Draft", path: str | os.PathLike) -> None:
+    """config.json + model.safetensors; the frozen target embedding is not written."""
+    from safetensors.torch import save_file
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    save_file(state, root / SAFETENSORS_FILE, metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(model.fc.weight.dtype).removeprefix("torch.")
+    with open(root / CONFIG_FILE, "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
+def _complete_vocab_maps(tensors: dict[str, Tensor], config: Eagle3Config) -> None:
+    """Fill in the vocabulary maps a checkpoint may omit: without `d2t` only when the draft vocab is
+    the full target vocab (identity), and `t2d` is implied by `d2t`."""
+    if "d2t" not in tensors:
+        if config.draft_vocab_size != config.vocab_size:
+            raise ValueError(f"checkpoint lacks d2t [draft_vocab_size = {config.draft_vocab_size}], needed because "
+                             f"the draft vocab is smaller than the target's ({config.vocab_size})")
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.int64)
+    if "t2d" not in tensors and tuple(tensors["d2t"].shape) == (config.draft_vocab_size,):
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        targets = torch.arange(config.draft_vocab_size) + tensors["d2t"].to(torch.int64)
+        if int(targets.min()) < 0 or int(targets.max()) >= config.vocab_size:
+            raise ValueError(f"d2t maps draft ids outside the target vocab [0, {config.vocab_size})")
+        t2d[targets] = True
+        tensors["t2d"] = t2d
+
+
+def _check_names_and_shapes(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]],
+                            config: Eagle3Config) -> None:
+    fc = tensors.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and fc.shape[1] != config.fc_in_features:
+        m = fc.shape[1] / config.target_hidden_size
+        raise ValueError(
+            f"fc.weight has input width {fc.shape[1]} but the config needs m * target_hidden_size = "
+            f"{config.num_aux_layers} * {config.target_hidden_size} = {config.fc_in_features} "
+            f"(the weights fit m = {m:g}; check eagle_aux_hidden_state_layer_ids and target_hidden_size)"
+        )
+    problems = [f"missing {name} {list(shape)}" for name, shape in expected.items() if name not in tensors]
+    problems += [f"unexpected {name} {list(t.shape)}" for name, t in tensors.items() if name not in expected]
+    problems += [
+        f"{name} has shape {list(t.shape)}, expected {list(expected[name])}"
+        for name, t in tensors.items() if name in expected and tuple(t.shape) != expected[name]
+    ]
+    problems += [
+        f"{name} has dtype {t.dtype}, expected floating point"
+        for name, t in tensors.items() if name not in ("d2t", "t2d") and not t.is_floating_point()
+    ]
+    if "d2t" in tensors and (tensors["d2t"].is_floating_point() or tensors["d2t"].dtype == torch.bool):
+        problems.append(f"d2t has dtype {tensors['d2t'].dtype}, expected an integer type")
+    if problems:
+        raise ValueError("draft checkpoint does not match its config: " + "; ".join(problems))
+
+
+def _check_vocab_maps(d2t: Tensor, t2d: Tensor, config: Eagle3Config) -> None:
+    targets = torch.arange(config.draft_vocab_size, device=d2t.device) + d2t
+    if int(targets.min()) < 0 or int(targets.max()) >= config.vocab_size:
+        raise ValueError(f"d2t maps draft ids outside the target vocab [0, {config.vocab_size})")
+    if int(targets.unique().numel()) != config.draft_vocab_size:
+        raise ValueError("d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != config.draft_vocab_size or not bool(t2d[targets].all()):
+        raise ValueError("t2d does not mark exactly the target ids that d2t maps the draft vocab to")

@@ -1,0 +1,294 @@
+"""EAGLE3 checkpoint format: round trips, the public Llama-3.1-8B layout, speculators names, .bin files,
+and clear errors for checkpoints that do not match their config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from elsi_fast.draft import Eagle3Config, Eagle3Draft
+
+
+def eagle3_tensor_shapes(d, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_d, m):
+    """Tensor names and shapes of an EAGLE3 draft checkpoint, as DESIGN.md section 5 lists them."""
+    return {
+        "fc.weight": (d, m * target_d),
+        "midlayer.hidden_norm.weight": (d,),
+        "midlayer.input_layernorm.weight": (d,),
+        "midlayer.post_attention_layernorm.weight": (d,),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * d),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.o_proj.weight": (d, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (inter, d),
+        "midlayer.mlp.up_proj.weight": (inter, d),
+        "midlayer.mlp.down_proj.weight": (d, inter),
+        "norm.weight": (d,),
+        "lm_head.weight": (draft_vocab, d),
+        "d2t": (draft_vocab,),
+        "t2d": (vocab,),
+    }
+
+
+LLAMA31_8B = dict(d=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, draft_vocab=32000,
+                  target_d=4096, m=3)
+# The same layout at reduced scale: GQA, head_dim != d / heads, a draft vocab smaller than the target's.
+LLAMA31_8B_SMALL = dict(d=32, heads=4, kv_heads=1, head_dim=6, inter=56, vocab=300, draft_vocab=40,
+                        target_d=24, m=3)
+
+
+def public_llama_config(d, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_d, m):
+    """config.json as SpecForge writes it for Llama-3.1-8B (no layer ids: the engine's default 3)."""
+    assert m == 3
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": 0,
+        "hidden_size": d, "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_scaling": None,
+        "rope_theta": 500000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_d,
+    }
+
+
+def random_checkpoint_tensors(shapes, vocab, draft_vocab, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()
+               if name not in ("d2t", "t2d")}
+    targets = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    tensors["d2t"] = targets - torch.arange(draft_vocab)
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    tensors["t2d"][targets] = True
+    return tensors
+
+
+def write_checkpoint(path, config, tensors):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, path / "model.safetensors")
+
+
+def small_draft(m=2, seed=0):
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=20, target_hidden_size=12, rope_theta=1e6,
+                       aux_layer_ids=tuple(range(2, 2 + 3 * m, 3)))
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    draft = Eagle3Draft(cfg, embed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+    draft.set_draft_vocab(torch.randperm(cfg.vocab_size, generator=gen)[: cfg.draft_vocab_size].sort().values)
+    return draft, embed
+
+
+def run(draft, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    aux = torch.randn(1, 5, cfg.fc_in_features, generator=gen).to(draft.fc.weight.dtype)
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=gen)
+    return draft.extend(aux, ids, draft.new_cache(5))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_save_load_round_trip_is_bit_exact(tmp_path, m):
+    draft, embed = small_draft(m)
+    draft.save_pretrained(tmp_path)
+    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    assert loaded.config == draft.config
+    state, loaded_state = draft.state_dict(), loaded.state_dict()
+    assert state.keys() == loaded_state.keys()
+    for name in state:
+        assert state[name].dtype == loaded_state[name].dtype
+        assert torch.equal(state[name], loaded_state[name]), name
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+    assert all(p.requires_grad for p in loaded.parameters())
+    assert "embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+
+
+def test_config_json_has_both_layer_id_conventions(tmp_path):
+    draft, _ = small_draft(m=3)  # aux ids (2, 5, 8), input-to-layer
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 5, 8]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1 and config["target_hidden_size"] == 12
+    assert config["draft_vocab_size"] == 20 and config["vocab_size"] == 50
+    assert config["torch_dtype"] == "float32" and config["rope_theta"] == 1e6
+    # SGLang-only configs carry just the output-of-layer ids
+    del config["eagle_aux_hidden_state_layer_ids"]
+    assert Eagle3Config.from_dict(config).aux_layer_ids == (2, 5, 8)
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 5, 9]
+    with pytest.raises(ValueError, match="disagree"):
+        Eagle3Config.from_dict(config)
+
+
+def test_llama31_8b_layout_matches_the_module():
+    cfg = Eagle3Config.from_dict(public_llama_config(**LLAMA31_8B))
+    with torch.device("meta"):
+        draft = Eagle3Draft(cfg)
+    assert {k: tuple(v.shape) for k, v in draft.state_dict().items()} == eagle3_tensor_shapes(**LLAMA31_8B)
+
+
+def test_public_llama31_8b_style_checkpoint_loads(tmp_path):
+    shapes = eagle3_tensor_shapes(**LLAMA31_8B_SMALL)
+    tensors = random_checkpoint_tensors(shapes, LLAMA31_8B_SMALL["vocab"], LLAMA31_8B_SMALL["draft_vocab"])
+    write_checkpoint(tmp_path, public_llama_config(**LLAMA31_8B_SMALL), tensors)
+    embed = torch.randn(LLAMA31_8B_SMALL["vocab"], LLAMA31_8B_SMALL["d"])
+    draft = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    assert draft.config.num_aux_layers == 3 and draft.config.aux_layer_ids is None
+    assert draft.config.rope_theta == 500000.0
+    state = draft.state_dict()
+    for name, tensor in tensors.items():
+        assert torch.equal(state[name], tensor), name
+    assert draft.fc.weight.dtype == torch.bfloat16 and draft.d2t.dtype == torch.int64
+    logits, hidden = run(draft)
+    assert logits.shape == (1, 5, 40) and torch.isfinite(logits.float()).all()
+    ids, _ = draft.decode_step(hidden[:, -1:], torch.tensor([[3]]), draft.new_cache(2), from_target=False,
+                               top_k=2, use_native=False)
+    assert tensors["t2d"][ids].all()
+
+
+def test_speculators_names_and_config_load(tmp_path):
+    draft, embed = small_draft(m=2)
+    draft.save_pretrained(tmp_path / "eagle3")
+    tensors = load_file(tmp_path / "eagle3" / "model.safetensors")
+    renamed = {name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()}
+    renamed["embed_tokens.weight"] = embed  # speculators checkpoints may carry the embedding
+    flat = draft.config.to_dict()
+    layer_keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "vocab_size", "rope_theta", "max_position_embeddings", "num_hidden_layers")
+    speculators_config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": {"model_type": "llama", **{k: flat[k] for k in layer_keys}},
+        "draft_vocab_size": flat["draft_vocab_size"], "target_hidden_size": flat["target_hidden_size"],
+        "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": flat["eagle_aux_hidden_state_layer_ids"],
+    }
+    write_checkpoint(tmp_path / "spec", speculators_config, renamed)
+    loaded = Eagle3Draft.from_pretrained(tmp_path / "spec")  # embedding taken from the checkpoint
+    assert loaded.config == draft.config
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+    speculators_config["norm_before_residual"] = True
+    write_checkpoint(tmp_path / "spec", speculators_config, renamed)
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        Eagle3Draft.from_pretrained(tmp_path / "spec")
+
+
+class NotATensor:
+    pass
+
+
+def test_bin_checkpoint_loads_only_plain_tensors(tmp_path):
+    draft, embed = small_draft(m=1)
+    draft.save_pretrained(tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+    torch.save(dict(draft.state_dict()), tmp_path / "bin" / "pytorch_model.bin")
+    loaded = Eagle3Draft.from_pretrained(tmp_path / "bin", embed_tokens=embed, dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.t2d.dtype == torch.bool
+    assert torch.equal(loaded.fc.weight, draft.fc.weight.to(torch.bfloat16))
+    torch.save({**draft.state_dict(), "extra": NotATensor()}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        Eagle3Draft.from_pretrained(tmp_path / "bin", embed_tokens=embed)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    draft, embed = small_draft(m=2)
+    draft.save_pretrained(tmp_path)
+    return tmp_path, load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
+
+
+def rewrite(saved, tensors=None, config=None):
+    path, orig_tensors, orig_config = saved
+    write_checkpoint(path, orig_config if config is None else config, orig_tensors if tensors is None else tensors)
+    return path
+
+
+def test_missing_tensor_is_named_with_its_shape(saved):
+    tensors = dict(saved[1])
+    del tensors["midlayer.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing midlayer\.self_attn\.k_proj\.weight \[8, 32\]"):
+        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+
+
+def test_misshaped_and_unexpected_tensors_are_named(saved):
+    tensors = dict(saved[1])
+    tensors["midlayer.mlp.up_proj.weight"] = torch.zeros(24, 15)
+    tensors["midlayer.rotary.bias"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"up_proj\.weight has shape \[24, 15\], expected \[24, 16\]") as err:
+        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    assert "unexpected midlayer.rotary.bias [3]" in str(err.value)
+
+
+def test_fc_width_must_be_m_times_target_hidden(saved):
+    config = dict(saved[2])
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 5, 8]
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}
+    with pytest.raises(ValueError, match=r"input width 24 .* 3 \* 12 = 36 \(the weights fit m = 2"):
+        Eagle3Draft.from_pretrained(rewrite(saved, config=config))
+
+
+def test_vocab_maps_are_checked(saved):
+    tensors = dict(saved[1])
+    del tensors["d2t"]
+    with pytest.raises(ValueError, match="lacks d2t"):
+        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    tensors = dict(saved[1])
+    tensors["t2d"] = ~tensors["t2d"]
+    with pytest.raises(ValueError, match="t2d does not mark"):
+        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    tensors = dict(saved[1])
+    tensors["d2t"] = tensors["d2t"] + 1000
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    tensors = dict(saved[1])
+    del tensors["t2d"]  # implied by d2t
+    loaded = Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    assert torch.equal(loaded.t2d, saved[1]["t2d"])
+
+
+def test_missing_files_and_embedding(tmp_path, saved):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Eagle3Draft.from_pretrained(tmp_path / "nowhere")
+    (saved[0] / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        Eagle3Draft.from_pretrained(saved[0])
+    loaded = Eagle3Draft.from_pretrained(rewrite(saved))
+    with pytest.raises(ValueError, match="no token embedding"):
+        run(loaded)
+
+
+def test_sharded_safetensors_load(tmp_path):
+    draft, embed = small_draft(m=2)
+    draft.save_pretrained(tmp_path / "one")
+    tensors = load_file(tmp_path / "one" / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    for file, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, tmp_path / "two" / file)
+    index = {"weight_map": {n: file for file, shard_names in shards.items() for n in shard_names}}
+    (tmp_path / "two" / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = Eagle3Draft.from_pretrained(tmp_path / "two", embed_tokens=embed)
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+
+
+def test_transformers5_rope_parameters_are_read():
+    base = public_llama_config(**LLAMA31_8B_SMALL)
+    del base["rope_theta"], base["rope_scaling"]
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = Eagle3Config.from_dict({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == scaling
+    assert Eagle3Config.from_dict(cfg.to_dict()) == cfg
+    assert Eagle3Config.from_dict(base).rope_theta == 10000.0  # absent theta means 10000
