@@ -1,0 +1,252 @@
+// torch.library registration of the fused draft decode step (CPU, and CUDA in CUDA builds) and the
+// pybind11 module `elsi_fast._C`. This is the only translation unit that includes torch headers.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#ifdef ELSI_FAST_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "draft_decode.h"
+
+namespace elsi_fast {
+namespace {
+
+constexpr const char* kOp = "draft_decode_step";
+constexpr const char* kMatrixNames[kNumMatrices] = {"fc",   "q_proj", "k_proj",    "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj", "lm_head"};
+
+void check_tensor(const at::Tensor& t, const std::string& name, const at::Device& device,
+                  at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.device() == device, kOp, ": ", name, " is on ", t.device(),
+                    " but input is on ", device);
+  TORCH_CHECK_VALUE(t.sizes() == shape, kOp, ": ", name, " must have shape ", shape, ", got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), kOp, ": ", name, " must be contiguous");
+}
+
+void check_dtype(const at::Tensor& t, const std::string& name,
+                 std::initializer_list<at::ScalarType> allowed) {
+  bool ok = false;
+  for (at::ScalarType dtype : allowed) ok = ok || t.scalar_type() == dtype;
+  TORCH_CHECK_TYPE(ok, kOp, ": ", name, " must be ", c10::ArrayRef<at::ScalarType>(allowed),
+                   ", got ", t.scalar_type());
+}
+
+ActType act_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? ActType::kBFloat16 : ActType::kFloat32;
+}
+
+struct Prepared {
+  DraftDims dims;
+  DraftWeights weights;
+};
+
+// Validates every argument against the shapes implied by norms [4, d], the caches
+// [H_kv, max_len, head_dim], fc [d, fc_in], down [d, I] and lm_head [V_d, d]; collects pointers.
+Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& embed,
+                 at::TensorList weights, at::TensorList scales, const at::Tensor& norms,
+                 const at::Tensor& inv_freq, const at::Tensor& d2t, bool from_target,
+                 int64_t num_heads, double eps, int64_t top_k) {
+  const at::Device device = input.device();
+  TORCH_CHECK_VALUE(weights.size() == kNumMatrices, kOp, ": weights must hold ", kNumMatrices,
+                    " matrices (fc, q, k, v, o, gate, up, down, lm_head), got ", weights.size());
+  for (int i = 0; i < kNumMatrices; ++i)
+    TORCH_CHECK_VALUE(weights[i].dim() == 2, kOp, ": ", kMatrixNames[i], " must be 2-D, got ",
+                      weights[i].sizes());
+  TORCH_CHECK_VALUE(norms.dim() == 2 && norms.size(0) == 4 && norms.size(1) > 0, kOp,
+                    ": norms must have shape [4, hidden], got ", norms.sizes());
+  TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.size(0) > 0 && k_cache.size(1) > 0 &&
+                        k_cache.size(2) > 0 && k_cache.size(2) % 2 == 0,
+                    kOp, ": k_cache must be [num_kv_heads, max_len, head_dim] with an even head_dim, got ",
+                    k_cache.sizes());
+  TORCH_CHECK_VALUE(num_heads > 0 && num_heads % k_cache.size(0) == 0, kOp, ": num_heads (",
+                    num_heads, ") must be a positive multiple of num_kv_heads (", k_cache.size(0), ")");
+  TORCH_CHECK_VALUE(eps > 0, kOp, ": eps must be positive, got ", eps);
+
+  DraftDims dims;
+  dims.hidden = norms.size(1);
+  dims.fc_in = weights[kFc].size(1);
+  dims.num_heads = num_heads;
+  dims.num_kv_heads = k_cache.size(0);
+  dims.head_dim = k_cache.size(2);
+  dims.intermediate = weights[kDown].size(1);
+  dims.draft_vocab = weights[kLmHead].size(0);
+  dims.max_len = k_cache.size(1);
+  dims.eps = static_cast<float>(eps);
+  const int64_t d = dims.hidden, hd = dims.head_dim, nkv = dims.num_kv_heads;
+
+  check_dtype(input, "input", {at::kFloat, at::kBFloat16});
+  const int64_t input_width = from_target ? dims.fc_in : d;
+  TORCH_CHECK_VALUE(input.dim() == 1 && input.size(0) == input_width, kOp, ": input must be [",
+                    input_width, "] (", from_target ? "fc input width = m * target hidden" : "hidden",
+                    "), got ", input.sizes());
+  TORCH_CHECK_VALUE(input.is_contiguous(), kOp, ": input must be contiguous");
+  check_dtype(token, "token", {at::kLong});
+  check_tensor(token, "token", device, {1});
+  check_dtype(position, "position", {at::kLong});
+  check_tensor(position, "position", device, {1});
+
+  const at::ScalarType wt = weights[0].scalar_type();
+  check_dtype(weights[0], kMatrixNames[0], {at::kFloat, at::kBFloat16, at::kChar});
+  const int64_t shapes[kNumMatrices][2] = {
+      {d, dims.fc_in}, {num_heads * hd, 2 * d}, {nkv * hd, 2 * d}, {nkv * hd, 2 * d},
+      {d, num_heads * hd}, {dims.intermediate, d}, {dims.intermediate, d}, {d, dims.intermediate},
+      {dims.draft_vocab, d}};
+  for (int i = 0; i < kNumMatrices; ++i) {
+    check_dtype(weights[i], kMatrixNames[i], {wt});
+    check_tensor(weights[i], kMatrixNames[i], device, shapes[i]);
+  }
+  if (wt == at::kChar) {
+    TORCH_CHECK_VALUE(scales.size() == kNumMatrices, kOp,
+                      ": int8 weights need one per-row scale vector per matrix, got ", scales.size());
+    for (int i = 0; i < kNumMatrices; ++i) {
+      const std::string name = std::string("scale of ") + kMatrixNames[i];
+      check_dtype(scales[i], name, {at::kFloat});
+      check_tensor(scales[i], name, device, {shapes[i][0]});
+    }
+  } else {
+    TORCH_CHECK_VALUE(scales.empty(), kOp, ": scales are only for int8 weights, got ", scales.size(),
+                      " with ", wt, " weights");
+  }
+  check_dtype(norms, "norms", {at::kFloat});
+  check_tensor(norms, "norms", device, {4, d});
+  check_dtype(inv_freq, "inv_freq", {at::kFloat});
+  check_tensor(inv_freq, "inv_freq", device, {hd / 2});
+  check_dtype(k_cache, "k_cache", {at::kFloat, at::kBFloat16});
+  check_tensor(k_cache, "k_cache", device, {nkv, dims.max_len, hd});
+  check_dtype(v_cache, "v_cache", {k_cache.scalar_type()});
+  check_tensor(v_cache, "v_cache", device, {nkv, dims.max_len, hd});
+  check_dtype(embed, "embed", {at::kFloat, at::kBFloat16});
+  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.size(0) > 0, kOp,
+                    ": embed must be [vocab, hidden], got ", embed.sizes());
+  check_tensor(embed, "embed", device, {embed.size(0), d});
+  check_dtype(d2t, "d2t", {at::kLong});
+  check_tensor(d2t, "d2t", device, {dims.draft_vocab});
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= dims.draft_vocab, kOp, ": top_k must be in [1, ",
+                    dims.draft_vocab, "], got ", top_k);
+
+  DraftWeights w{};
+  w.weight_type = wt == at::kFloat      ? WeightType::kFloat32
+                  : wt == at::kBFloat16 ? WeightType::kBFloat16
+                                        : WeightType::kInt8;
+  for (int i = 0; i < kNumMatrices; ++i) {
+    w.matrix[i] = weights[i].data_ptr();
+    w.scale[i] = scales.empty() ? nullptr : scales[i].data_ptr<float>();
+  }
+  w.norms = norms.data_ptr<float>();
+  w.inv_freq = inv_freq.data_ptr<float>();
+  w.d2t = d2t.data_ptr<int64_t>();
+  w.embed_type = act_type(embed);
+  w.embed = embed.data_ptr();
+  w.embed_rows = embed.size(0);
+  return {dims, w};
+}
+
+DraftStep make_step(const at::Tensor& input, bool from_target, at::Tensor& k_cache, at::Tensor& v_cache,
+                    int64_t top_k, at::Tensor& ids, at::Tensor& hidden) {
+  DraftStep step{};
+  step.input = input.data_ptr();
+  step.input_type = act_type(input);
+  step.from_target = from_target;
+  step.cache_type = act_type(k_cache);
+  step.k_cache = k_cache.data_ptr();
+  step.v_cache = v_cache.data_ptr();
+  step.top_k = top_k;
+  step.out_ids = ids.data_ptr<int64_t>();
+  step.out_hidden = hidden.data_ptr();
+  return step;
+}
+
+std::tuple<at::Tensor, at::Tensor> draft_decode_step_cpu_op(
+    const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
+    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& embed, at::TensorList weights,
+    at::TensorList scales, const at::Tensor& norms, const at::Tensor& inv_freq,
+    const at::Tensor& d2t, bool from_target, int64_t num_heads, double eps, int64_t top_k) {
+  const Prepared p = prepare(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
+                             inv_freq, d2t, from_target, num_heads, eps, top_k);
+  const int64_t tok = token.data_ptr<int64_t>()[0];
+  const int64_t pos = position.data_ptr<int64_t>()[0];
+  TORCH_CHECK_VALUE(tok >= 0 && tok < embed.size(0), kOp, ": token ", tok,
+                    " is outside the embedding's vocabulary [0, ", embed.size(0), ")");
+  TORCH_CHECK_VALUE(pos >= 0 && pos < p.dims.max_len, kOp, ": KV cache overflow: position ", pos,
+                    " but the cache holds ", p.dims.max_len, " slots");
+
+  at::Tensor ids = at::empty({top_k}, input.options().dtype(at::kLong));
+  at::Tensor hidden = at::empty({p.dims.hidden}, input.options());
+  DraftStep step = make_step(input, from_target, k_cache, v_cache, top_k, ids, hidden);
+  step.token = tok;
+  step.position = pos;
+  draft_decode_step_cpu(p.dims, p.weights, step, at::get_num_threads());
+  return {ids, hidden};
+}
+
+#ifdef ELSI_FAST_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> draft_decode_step_cuda_op(
+    const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
+    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& embed, at::TensorList weights,
+    at::TensorList scales, const at::Tensor& norms, const at::Tensor& inv_freq,
+    const at::Tensor& d2t, bool from_target, int64_t num_heads, double eps, int64_t top_k) {
+  const Prepared p = prepare(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
+                             inv_freq, d2t, from_target, num_heads, eps, top_k);
+  TORCH_CHECK_TYPE(p.weights.weight_type == WeightType::kBFloat16, kOp,
+                   ": the CUDA kernel takes bfloat16 weights, got ", weights[0].scalar_type());
+  TORCH_CHECK_VALUE(top_k <= kMaxCudaTopK, kOp, ": the CUDA kernel supports top_k <= ",
+                    kMaxCudaTopK, ", got ", top_k);
+  // Token and position stay on the device (no host sync) so the step can be graph-captured; the
+  // callers check the cache bound on their host-side length, the kernel skips out-of-range slots.
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor ids = at::empty({top_k}, input.options().dtype(at::kLong));
+  at::Tensor hidden = at::empty({p.dims.hidden}, input.options());
+  at::Tensor workspace =
+      at::empty({draft_decode_cuda_workspace_floats(p.dims, top_k)}, input.options().dtype(at::kFloat));
+  const DraftStep step = make_step(input, from_target, k_cache, v_cache, top_k, ids, hidden);
+  draft_decode_step_cuda(p.dims, p.weights, step, token.data_ptr<int64_t>(),
+                         position.data_ptr<int64_t>(), workspace.data_ptr<float>(),
+                         at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {ids, hidden};
+}
+#endif
+
+}  // namespace
+}  // namespace elsi_fast
+
+TORCH_LIBRARY(elsi_fast, m) {
+  m.def(
+      "draft_decode_step(Tensor input, Tensor token, Tensor position, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor embed, Tensor[] weights, Tensor[] scales, Tensor norms, "
+      "Tensor inv_freq, Tensor d2t, bool from_target, int num_heads, float eps, int top_k) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(elsi_fast, CPU, m) {
+  m.impl("draft_decode_step", &elsi_fast::draft_decode_step_cpu_op);
+}
+
+#ifdef ELSI_FAST_WITH_CUDA
+TORCH_LIBRARY_IMPL(elsi_fast, CUDA, m) {
+  m.impl("draft_decode_step", &elsi_fast::draft_decode_step_cuda_op);
+}
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "elsi-fast native kernels; the ops live under torch.ops.elsi_fast";
+  m.def("cpu_isa", &elsi_fast::cpu_isa, "Instruction set the CPU kernels use: avx512, avx2 or scalar");
+  m.def("set_cpu_isa", [](const std::string& name) { return elsi_fast::set_cpu_isa(name.c_str()); },
+        "Switch the CPU kernels to an instruction set this CPU supports; returns False otherwise");
+  m.def("cuda_built", []() {
+#ifdef ELSI_FAST_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build contains the CUDA kernels");
+  m.attr("max_cuda_top_k") = elsi_fast::kMaxCudaTopK;
+}

@@ -1,0 +1,471 @@
+"""The fused native draft decode step against an independent float64 reference of DESIGN.md section 5,
+and against Eagle3Draft's own torch path."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
+from elsi_fast.draft.quant import dequantize_int8, quantize_int8
+
+requires_native = pytest.mark.skipif(
+    not native.available("cpu"),
+    reason=f"native extension not built ({native.describe('cpu')}); build with "
+           "`ELSI_FAST_SKIP_CUDA=1 python setup.py build_ext --inplace`",
+)
+
+CPU_ISAS = ("avx512", "avx2", "scalar")
+
+
+# ----------------------------------------------------------------------------- float64 reference
+@dataclass
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    draft_vocab: int
+    target_hidden: int
+    num_aux: int
+
+
+def reference_decode(params: dict[str, torch.Tensor], shape: Shape, rope_theta: float, eps: float,
+                     steps: list[tuple[torch.Tensor, int, bool]], dtype: torch.dtype = torch.float64):
+    """DESIGN.md section 5 written out directly, one token at a time with a growing KV cache.
+
+    params: state-dict names (plus "embed"); steps: (input, token, from_target) with input [m*d_t]
+    or [d]. Computes in `dtype` (float64: the reference; bfloat16: torch's own bf16 computation).
+    Returns per step (draft-vocab logits [V_d] float64, hidden_out [d] float64).
+    """
+    p = {k: v.to(dtype) for k, v in params.items()}
+    hd, half = shape.head_dim, shape.head_dim // 2
+    group = shape.heads // shape.kv_heads
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+
+    def rms(x, w):
+        x64 = x.double()
+        return (w.double() * x64 / torch.sqrt((x64 * x64).mean() + eps)).to(dtype)
+
+    def rope(x, pos):  # x [heads, hd], rotate-half
+        cos, sin = torch.cos(pos * inv_freq).to(dtype), torch.sin(pos * inv_freq).to(dtype)
+        x1, x2 = x[:, :half], x[:, half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    keys, values, out = [], [], []
+    for pos, (x_in, token, from_target) in enumerate(steps):
+        x_in = x_in.to(dtype)
+        h = p["fc.weight"] @ x_in if from_target else x_in
+        x = torch.cat([rms(p["embed"][token], p["midlayer.input_layernorm.weight"]),
+                       rms(h, p["midlayer.hidden_norm.weight"])])
+        q = (p["midlayer.self_attn.q_proj.weight"] @ x).view(shape.heads, hd)
+        k = (p["midlayer.self_attn.k_proj.weight"] @ x).view(shape.kv_heads, hd)
+        v = (p["midlayer.self_attn.v_proj.weight"] @ x).view(shape.kv_heads, hd)
+        keys.append(rope(k, pos))
+        values.append(v)
+        q = rope(q, pos)
+        K, V = torch.stack(keys), torch.stack(values)  # [T, kv, hd]
+        heads = []
+        for head in range(shape.heads):
+            scores = (K[:, head // group].double() @ q[head].double()) / math.sqrt(hd)
+            heads.append((torch.softmax(scores, 0) @ V[:, head // group].double()).to(dtype))
+        h1 = h + p["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
+        y = rms(h1, p["midlayer.post_attention_layernorm.weight"])
+        gate = p["midlayer.mlp.gate_proj.weight"] @ y
+        act = gate * torch.sigmoid(gate) * (p["midlayer.mlp.up_proj.weight"] @ y)
+        h2 = h1 + p["midlayer.mlp.down_proj.weight"] @ act
+        logits = p["lm_head.weight"] @ rms(h2, p["norm.weight"])
+        out.append((logits.double(), h2.double()))
+    return out
+
+
+SHAPES = {
+    # odd d (not a multiple of 8 or 16), head_dim 8, GQA 3:1
+    "odd": Shape(hidden=37, heads=6, kv_heads=2, head_dim=8, intermediate=53, vocab=211, draft_vocab=97,
+                 target_hidden=29, num_aux=1),
+    # head_dim 64, MHA, three aux layers
+    "mha_m3": Shape(hidden=64, heads=2, kv_heads=2, head_dim=64, intermediate=96, vocab=150, draft_vocab=150,
+                    target_hidden=40, num_aux=3),
+    # GQA 4:1 with d a multiple of 16
+    "gqa": Shape(hidden=48, heads=4, kv_heads=1, head_dim=12, intermediate=80, vocab=300, draft_vocab=64,
+                 target_hidden=48, num_aux=1),
+}
+
+
+def make_draft(shape: Shape, seed: int = 0, rope_theta: float = 500.0, eps: float = 1e-5) -> Eagle3Draft:
+    """A random Eagle3Draft with non-trivial norms and an invertible, non-identity d2t."""
+    gen = torch.Generator().manual_seed(seed)
+    config = Eagle3Config(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab,
+        draft_vocab_size=shape.draft_vocab, target_hidden_size=shape.target_hidden, rms_norm_eps=eps,
+        rope_theta=rope_theta, aux_layer_ids=tuple(range(1, shape.num_aux + 1)),
+    )
+    draft = Eagle3Draft(config, torch.randn(shape.vocab, shape.hidden, generator=gen))
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+    target_ids = torch.randperm(shape.vocab, generator=gen)[: shape.draft_vocab].sort().values
+    draft.set_draft_vocab(target_ids)
+    return draft
+
+
+def reference_params(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    params = {name: p.detach().double() for name, p in draft.named_parameters()}
+    params["embed"] = draft.embed_tokens.weight.double()
+    return params
+
+
+def make_steps(draft: Eagle3Draft, n: int, seed: int = 1) -> list[tuple[torch.Tensor, int, bool]]:
+    """Inputs for n steps: target features every third step, fed-back-sized hiddens otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    steps = []
+    for i in range(n):
+        from_target = i % 3 == 0
+        width = cfg.fc_in_features if from_target else cfg.hidden_size
+        steps.append((torch.randn(width, generator=gen), int(torch.randint(cfg.vocab_size, (1,), generator=gen)),
+                      from_target))
+    return steps
+
+
+def target_to_draft(draft: Eagle3Draft, target_ids: torch.Tensor) -> torch.Tensor:
+    targets = torch.arange(draft.config.draft_vocab_size) + draft.d2t
+    return torch.searchsorted(targets, target_ids)
+
+
+def assert_top_k(draft: Eagle3Draft, target_ids: torch.Tensor, ref_logits: torch.Tensor, tie_tol: float) -> None:
+    """Native ids are the reference's top-k, in order; ranks whose logits tie within tie_tol may swap."""
+    k = target_ids.numel()
+    ref_ids = ref_logits.topk(k).indices
+    draft_ids = target_to_draft(draft, target_ids)
+    assert torch.equal(draft_ids + draft.d2t[draft_ids], target_ids), "ids are not d2t images of draft ids"
+    for rank in range(k):
+        if draft_ids[rank] != ref_ids[rank]:
+            gap = abs(float(ref_logits[draft_ids[rank]] - ref_logits[ref_ids[rank]]))
+            assert gap <= tie_tol, f"rank {rank}: native id {int(draft_ids[rank])} vs reference {int(ref_ids[rank])}"
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).abs().max() / ref.abs().max())
+
+
+def run_decoder(decoder: native.NativeDraftDecoder, steps, top_k: int):
+    return [decoder.step(x, token, from_target, top_k) for x, token, from_target in steps]
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    from elsi_fast import _C
+
+    previous = _C.cpu_isa()
+    if not _C.set_cpu_isa(request.param):
+        pytest.skip(f"this CPU lacks {request.param}")
+    yield request.param
+    assert _C.set_cpu_isa(previous)
+
+
+# ----------------------------------------------------------------------------- accuracy
+@requires_native
+@pytest.mark.parametrize("shape_name", sorted(SHAPES))
+def test_fp32_matches_float64_reference(shape_name, cpu_isa):
+    shape = SHAPES[shape_name]
+    draft = make_draft(shape)
+    steps = make_steps(draft, 13)
+    ref = reference_decode(reference_params(draft), shape, 500.0, 1e-5, steps)
+    decoder = native.NativeDraftDecoder(draft, "fp32", max_len=16)
+    # Teacher-forced: both sides get the same inputs, so errors cannot compound across steps.
+    for (ids, hidden), (logits, ref_hidden) in zip(run_decoder(decoder, steps, top_k=3), ref):
+        assert hidden.dtype == torch.float32 and hidden.shape == (shape.hidden,)
+        assert rel_err(hidden, ref_hidden) < 1e-5
+        assert_top_k(draft, ids, logits, tie_tol=1e-4)
+    assert decoder.length == len(steps)
+
+
+@requires_native
+def test_bf16_error_within_twice_torch_bf16(cpu_isa):
+    shape = SHAPES["odd"]
+    draft = make_draft(shape, seed=3)
+    steps = make_steps(draft, 9, seed=4)
+    params = reference_params(draft)
+    ref = reference_decode(params, shape, 500.0, 1e-5, steps)
+    torch_bf16 = reference_decode(params, shape, 500.0, 1e-5, steps, dtype=torch.bfloat16)
+    decoder = native.NativeDraftDecoder(draft, "bf16", max_len=9)
+    native_out = run_decoder(decoder, steps, top_k=1)
+    native_err = max(rel_err(h, r) for (_, h), (_, r) in zip(native_out, ref))
+    torch_err = max(rel_err(h, r) for (_, h), (_, r) in zip(torch_bf16, ref))
+    assert 0 < native_err <= 2 * torch_err
+
+
+@requires_native
+def test_int8_matches_dequantized_reference(cpu_isa):
+    shape = SHAPES["gqa"]
+    draft = make_draft(shape, seed=5)
+    steps = make_steps(draft, 10, seed=6)
+    params = reference_params(draft)
+    for name in native.MATRIX_NAMES:
+        params[name] = dequantize_int8(*quantize_int8(params[name].float()), dtype=torch.float64)
+    ref = reference_decode(params, shape, 500.0, 1e-5, steps)
+    decoder = native.NativeDraftDecoder(draft, "int8", max_len=10)
+    for (ids, hidden), (logits, ref_hidden) in zip(run_decoder(decoder, steps, top_k=4), ref):
+        assert rel_err(hidden, ref_hidden) < 2e-5
+        assert_top_k(draft, ids, logits, tie_tol=1e-4)
+
+
+@requires_native
+def test_top_k_and_d2t_exact_with_separated_logits():
+    """lm_head rows built so logits are far apart: the whole ranking and its d2t images are exact."""
+    shape = SHAPES["odd"]
+    draft = make_draft(shape, seed=7)
+    steps = make_steps(draft, 1, seed=8)
+    with torch.no_grad():
+        # every row is a multiple of one direction: logit_i = c_i * s with distinct, spread c_i
+        direction = torch.randn(shape.hidden)
+        coef = torch.randperm(shape.draft_vocab).float() - shape.draft_vocab / 2
+        draft.lm_head.weight.copy_(coef[:, None] * direction[None, :] / direction.norm())
+    ids, _ = native.NativeDraftDecoder(draft, "fp32", max_len=1).step(*steps[0][:2], True, top_k=shape.draft_vocab)
+    logits, _ = reference_decode(reference_params(draft), shape, 500.0, 1e-5, steps)[0]
+    expected = logits.argsort(descending=True)
+    assert torch.equal(ids, expected + draft.d2t[expected])
+
+
+# ----------------------------------------------------------------------------- against Eagle3Draft
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_matches_torch_path_over_growing_cache(dtype):
+    """Eagle3Draft.decode_step (native) against its torch path, each feeding back its own hidden."""
+    shape = SHAPES["gqa"]
+    draft = make_draft(shape, seed=9).to(dtype)
+    batch, n_steps = 2, 12
+    gen = torch.Generator().manual_seed(10)
+    aux = torch.randn(batch, 1, draft.config.fc_in_features, generator=gen).to(dtype)
+    tokens = torch.randint(shape.vocab, (n_steps, batch, 1), generator=gen)
+    caches = {use: draft.new_cache(n_steps, batch_size=batch) for use in (True, False)}
+    hidden = {use: aux for use in (True, False)}
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i in range(n_steps):
+        out = {}
+        for use in (True, False):
+            out[use] = draft.decode_step(hidden[use], tokens[i], caches[use], from_target=i == 0, top_k=2,
+                                         use_native=use)
+            hidden[use] = out[use][1]
+        assert out[True][1].dtype == dtype and out[True][1].shape == (batch, 1, shape.hidden)
+        assert rel_err(out[True][1].float(), out[False][1].double()) < tol
+        if dtype == torch.float32:
+            assert torch.equal(out[True][0], out[False][0])
+        assert caches[True].length == caches[False].length == i + 1
+    # the native path wrote the module's own cache
+    assert rel_err(caches[True].key.float(), caches[False].key.double()) < tol
+
+
+@requires_native
+def test_decoder_matches_module_in_free_running_decode():
+    """NativeDraftDecoder fp32 generates the same tokens as the module over many fed-back steps."""
+    draft = make_draft(SHAPES["mha_m3"], seed=11)
+    gen = torch.Generator().manual_seed(12)
+    aux = torch.randn(1, 1, draft.config.fc_in_features, generator=gen)
+    cache = draft.new_cache(20)
+    decoder = native.NativeDraftDecoder(draft, "fp32", max_len=20)
+    ref_ids, ref_hidden = draft.decode_step(aux, torch.tensor([[3]]), cache, from_target=True, use_native=False)
+    ids, hidden = decoder.step(aux, 3, from_target=True)
+    for _ in range(19):
+        assert torch.equal(ids, ref_ids[0])
+        assert rel_err(hidden, ref_hidden.flatten().double()) < 1e-5
+        ref_ids, ref_hidden = draft.decode_step(ref_hidden, ref_ids, cache, from_target=False, use_native=False)
+        ids, hidden = decoder.step(hidden, ids, from_target=False)
+    decoder.truncate(5)
+    assert decoder.length == 5
+    decoder.reset()
+    assert decoder.length == 0
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def op_args(decoder: native.NativeDraftDecoder, x: torch.Tensor, from_target: bool = True):
+    return [x, decoder._token, decoder._position, decoder._k_cache, decoder._v_cache, decoder._embed,
+            list(decoder._weights), list(decoder._scales), decoder._norms, decoder._inv_freq, decoder._d2t,
+            from_target, decoder.config.num_attention_heads, decoder.config.rms_norm_eps, 1]
+
+
+@pytest.fixture
+def small():
+    draft = make_draft(SHAPES["odd"], seed=13)
+    return draft, native.NativeDraftDecoder(draft, "fp32", max_len=2)
+
+
+@requires_native
+def test_cache_overflow_raises(small):
+    draft, decoder = small
+    aux = torch.randn(draft.config.fc_in_features)
+    decoder.step(aux, 1, True)
+    decoder.step(aux, 1, True)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        decoder.step(aux, 1, True)
+    decoder._position.fill_(2)  # the op itself refuses too
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        native._op()(*op_args(decoder, aux))
+    cache = draft.new_cache(1)
+    draft.decode_step(aux.view(1, 1, -1), torch.tensor([[1]]), cache, from_target=True)
+    with pytest.raises(ValueError, match="overflow"):
+        draft.decode_step(aux.view(1, 1, -1), torch.tensor([[1]]), cache, from_target=True)
+
+
+@requires_native
+def test_fc_width_mismatch_raises(small):
+    draft, decoder = small
+    with pytest.raises(ValueError, match="m \\* target_hidden_size"):
+        decoder.step(torch.randn(draft.config.fc_in_features + 1), 1, True)
+    with pytest.raises(ValueError, match="fc input width"):
+        native._op()(*op_args(decoder, torch.randn(draft.config.fc_in_features + 1)))
+    args = op_args(decoder, torch.randn(draft.config.fc_in_features))
+    args[6][0] = torch.randn(draft.config.hidden_size, draft.config.fc_in_features + 2)
+    with pytest.raises(ValueError, match="fc input width"):
+        native._op()(*args)
+
+
+@requires_native
+def test_dtype_and_device_mismatches_raise(small):
+    draft, decoder = small
+    aux = torch.randn(draft.config.fc_in_features)
+    with pytest.raises(TypeError, match="input must be"):
+        native._op()(*op_args(decoder, aux.double()))
+    args = op_args(decoder, aux)
+    args[6][2] = args[6][2].bfloat16()
+    with pytest.raises(TypeError, match="k_proj must be"):
+        native._op()(*args)
+    args = op_args(decoder, aux)
+    args[6] = [w.to(torch.int8) for w in args[6]]
+    with pytest.raises(ValueError, match="int8 weights need"):
+        native._op()(*args)
+    args = op_args(decoder, aux)
+    args[3] = args[3].bfloat16()
+    with pytest.raises(TypeError, match="v_cache must be"):
+        native._op()(*args)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        decoder.step(aux.half(), 1, True)
+    with pytest.raises(ValueError, match="is on meta"):
+        decoder.step(aux.to("meta"), 1, True)
+    with pytest.raises(ValueError, match="outside the embedding"):
+        decoder.step(aux, draft.config.vocab_size, True)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        native.NativeDraftDecoder(draft, "fp8")
+    with pytest.raises(TypeError, match="hidden has dtype"):
+        native.decode_step(draft, aux.view(1, 1, -1).bfloat16(), torch.tensor([[1]]), draft.new_cache(2),
+                           from_target=True)
+
+
+# ----------------------------------------------------------------------------- dispatch, tracing, build
+@requires_native
+def test_describe_and_isa_switch():
+    from elsi_fast import _C
+
+    assert native.describe("cpu") == f"native cpu ({_C.cpu_isa()}, {torch.get_num_threads()} threads)"
+    assert not _C.set_cpu_isa("sse9")
+    assert _C.set_cpu_isa("scalar") and _C.cpu_isa() == "scalar"
+    assert _C.set_cpu_isa("avx512") or _C.set_cpu_isa("avx2") or _C.cpu_isa() == "scalar"
+
+
+@requires_native
+def test_op_traces_with_fake_tensors_and_compile(small):
+    draft, decoder = small
+    aux = torch.randn(draft.config.fc_in_features)
+    args = op_args(decoder, aux)
+    args[-1] = 3
+    torch.library.opcheck(torch.ops.elsi_fast.draft_decode_step.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def step(x):
+        ids, hidden = native._op()(*op_args(decoder, x))
+        return ids, hidden * 2
+
+    decoder._position.fill_(0)
+    eager_ids, eager_hidden = step(aux)
+    decoder._position.fill_(0)
+    compiled_ids, compiled_hidden = torch.compile(step, backend="eager", fullgraph=True)(aux)
+    assert torch.equal(compiled_ids, eager_ids) and torch.equal(compiled_hidden, eager_hidden)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_source_compiles_with_nvcc(tmp_path):
+    """Syntax check of the CUDA kernels for sm_90, with the flags torch's CUDAExtension adds."""
+    import os
+
+    csrc = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
+    cmd = ["nvcc", "-c", "-arch=sm_90", "-std=c++17", "-O1", f"-I{csrc}", "-DELSI_FAST_WITH_CUDA",
+           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+           os.path.join(csrc, "draft_decode_cuda.cu"), "-o", str(tmp_path / "draft_decode_cuda.o")]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.skip("nvcc took over 60 s")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@requires_native
+@pytest.mark.gpu
+def test_cuda_matches_torch_bf16_path():
+    if not native.available("cuda"):
+        pytest.skip(f"no CUDA build: {native.describe('cuda')}")
+    shape = SHAPES["gqa"]
+    draft = make_draft(shape, seed=14)
+    steps = make_steps(draft, 10, seed=15)
+    ref = reference_decode(reference_params(draft), shape, 500.0, 1e-5, steps)
+    torch_bf16 = reference_decode(reference_params(draft), shape, 500.0, 1e-5, steps, dtype=torch.bfloat16)
+    decoder = native.NativeDraftDecoder(draft.cuda(), "bf16", max_len=10)
+    out = [decoder.step(x.cuda(), t, f, 2) for x, t, f in steps]
+    native_err = max(rel_err(h.cpu(), r) for (_, h), (_, r) in zip(out, ref))
+    torch_err = max(rel_err(h, r) for (_, h), (_, r) in zip(torch_bf16, ref))
+    assert native_err <= 2 * torch_err
+    for (ids, _), (logits, _) in zip(out, ref):
+        assert_top_k(draft.cpu(), ids.cpu(), logits, tie_tol=0.1)
+
+
+@requires_native
+@pytest.mark.gpu
+def test_cuda_decode_step_on_bf16_module_and_graph_replay():
+    """decode_step on a bf16 module (bf16 cache and activations) against its torch path, and one
+    NativeDraftDecoder step captured in a CUDA graph replaying exactly what the launched op computes."""
+    if not native.available("cuda"):
+        pytest.skip(f"no CUDA build: {native.describe('cuda')}")
+    draft = make_draft(SHAPES["mha_m3"], seed=16).to("cuda", torch.bfloat16)
+    gen = torch.Generator().manual_seed(17)
+    hidden = {use: torch.randn(2, 1, draft.config.fc_in_features, generator=gen).to("cuda", torch.bfloat16)
+              for use in (True, False)}
+    tokens = torch.randint(draft.config.vocab_size, (6, 2, 1), generator=gen).cuda()
+    caches = {use: draft.new_cache(6, batch_size=2) for use in (True, False)}
+    for i in range(6):
+        out = {use: draft.decode_step(hidden[use], tokens[i], caches[use], from_target=i == 0, use_native=use)
+               for use in (True, False)}
+        assert rel_err(out[True][1].float().cpu(), out[False][1].double().cpu()) < 3e-2
+        hidden = {use: out[use][1] for use in (True, False)}
+
+    decoder = native.NativeDraftDecoder(draft, "bf16", max_len=4)
+    x = torch.randn(draft.config.fc_in_features, device="cuda")
+    eager_ids, eager_hidden = decoder.step(x, 5, from_target=True, top_k=3)
+    decoder.reset()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as CUDA graphs require
+        decoder.step(x, 5, from_target=True, top_k=3)
+    torch.cuda.current_stream().wait_stream(stream)
+    decoder.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_ids, graph_hidden = decoder.step(x, 5, from_target=True, top_k=3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_ids, eager_ids) and torch.equal(graph_hidden, eager_hidden)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
