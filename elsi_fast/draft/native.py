@@ -6,8 +6,10 @@ o_proj + residual, SwiGLU MLP + residual, the final norm and lm_head with top-k 
 The draft-vocabulary logits never leave the kernel; the outputs are target-vocabulary ids and the
 pre-norm hidden state that the next step feeds back.
 
-CPU: OpenMP over output rows; AVX-512 / AVX2 / scalar chosen at run time; fp32, bf16 or int8
-(per-output-row scales) weights. CUDA (builds with a CUDA torch): bf16 weights, device-side token
+CPU: a thread team over output rows; AVX-512 (with VNNI and BF16) / AVX2 / scalar chosen at run
+time; fp32, bf16 or int8 weights. bf16 weights multiply bf16-rounded inputs, as torch's bf16 matmuls
+do; int8 weights (per-output-row scales) multiply inputs quantized to int16 with one scale per 256
+columns (`quant.fake_quantize_activation`), ~250x finer than the weight rounding. CUDA (builds with a CUDA torch): bf16 weights, device-side token
 and position so a step can be captured in a CUDA graph.
 
 Two entry points:

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
-from elsi_fast.draft.quant import QUANTIZED_LINEARS, dequantize_int8, dequantized_reference, quantize_int8
+from elsi_fast.draft.quant import (
+    ACT_BLOCK,
+    ACT_LEVELS,
+    QUANTIZED_LINEARS,
+    dequantize_int8,
+    dequantized_reference,
+    fake_quantize_activation,
+    quantize_int8,
+)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (33, 64)])
@@ -69,3 +77,44 @@ def test_dequantized_reference_replaces_exactly_the_quantized_matrices():
             assert not torch.equal(value, before[name])
         else:
             assert torch.equal(value, before[name]), f"{name} should be untouched"
+
+
+def test_fake_quantize_activation_known_values():
+    x = torch.tensor([1.0, -0.5, 0.25, 0.0], dtype=torch.float64)
+    # -0.5 * 32767 = -16383.5 rounds to even; 0.25 * 32767 = 8191.75
+    assert (fake_quantize_activation(x) * ACT_LEVELS).tolist() == [32767.0, -16384.0, 8192.0, 0.0]
+    assert not fake_quantize_activation(torch.zeros(3)).any()
+
+
+@pytest.mark.parametrize("n", [1, ACT_BLOCK - 1, ACT_BLOCK, 2 * ACT_BLOCK + 37])
+def test_fake_quantize_activation_rounds_each_block_to_half_a_step(n):
+    gen = torch.Generator().manual_seed(n)
+    # blocks of very different magnitudes: each must get its own scale
+    x = torch.randn(2, n, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, n, dtype=torch.float64)
+    y = fake_quantize_activation(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    for start in range(0, n, ACT_BLOCK):
+        block, out = x[:, start:start + ACT_BLOCK], y[:, start:start + ACT_BLOCK]
+        step = block.abs().amax(dim=1, keepdim=True) / ACT_LEVELS
+        assert bool(((out - block).abs() <= step * (0.5 + 1e-9)).all())
+        # on the block's grid of integer multiples of the step
+        assert bool(((out / step - torch.round(out / step)).abs() < 1e-6).all())
+
+
+def test_fake_quantize_activation_rejects_bad_input():
+    with pytest.raises(TypeError, match="floating point"):
+        fake_quantize_activation(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fake_quantize_activation(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="Tensor"):
+        fake_quantize_activation([1.0])
+
+
+def test_dequantized_reference_quantizes_product_inputs():
+    config = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+                          vocab_size=40, draft_vocab_size=20, target_hidden_size=8, aux_layer_ids=(1, 2))
+    ref = dequantized_reference(Eagle3Draft(config, torch.randn(40, 16)))
+    x = torch.randn(3, 16) * torch.logspace(-2, 2, 16)
+    lm_head = ref.get_submodule("lm_head")
+    torch.testing.assert_close(lm_head(x), fake_quantize_activation(x) @ lm_head.weight.T, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(lm_head(x), x @ lm_head.weight.T, rtol=1e-7, atol=0)
