@@ -21,7 +21,8 @@ def backends(device: str | torch.device | None = None) -> dict[str, str]:
     stat = "triton (cuda)" if gpu_kernels else f"torch ({device.type})"
     out = {
         "matrix_entropy": f"torch ({device.type}, eigvalsh)",
-        "cka_matrix": stat,
+        "cka_matrix (unbiased)": stat,
+        "cka_matrix (biased)": f"torch ({device.type})",
         "token_entropy": stat,
         "linear_token_entropy": stat,
         "StreamingCovariance.update": stat,
