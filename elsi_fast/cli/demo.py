@@ -1,0 +1,101 @@
+"""`elsi-fast demo`: the whole method offline, on a small target trained from the Python stdlib.
+
+1. build (first run, a few minutes on two cores) or reuse the cached 12-layer demo target;
+2. run `elsi-fast analyze` on held-out stdlib code: layer table, plots, serving configs in OUT;
+3. with --train-drafts, train two drafts with the same budget, ELSI m=1 and the EAGLE3 default
+   m=3, and print their mean acceptance length side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+_CALIBRATION_PROMPTS = 64
+_EVAL_PROMPTS = 8
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="offline demo: train/reuse a small stdlib-Python target, analyze it, optionally train two drafts",
+        description="Needs no network: the target is trained on this Python installation's standard library "
+        "and cached (ELSI_FAST_CACHE or ~/.cache/elsi-fast).",
+    )
+    parser.add_argument("--out", default="elsi-fast-demo", help="output folder (default ./elsi-fast-demo)")
+    parser.add_argument("--train-drafts", action="store_true",
+                        help="also train ELSI m=1 and EAGLE3-default m=3 drafts and compare their tau")
+    parser.add_argument("--steps", type=int, default=80, help="training steps per draft (default 80)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=handler)
+
+
+def _calibration_file(out: str) -> str:
+    """Held-out stdlib code, one prompt per source file (its held-out tail), blank-line separated."""
+    from ..targets import DEMO, heldout_texts
+
+    # Blank lines inside a prompt would split it: collapse them.
+    chunks = ["\n".join(line for line in text[:1500].splitlines() if line.strip()) for text in heldout_texts(DEMO)]
+    chunks = [c for c in chunks if len(c) >= 100]
+    step = max(1, len(chunks) // _CALIBRATION_PROMPTS)
+    path = os.path.join(out, "calibration.txt")
+    with open(path, "w") as f:
+        f.write("\n\n".join(chunks[::step][:_CALIBRATION_PROMPTS]))
+    return path
+
+
+def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) -> None:
+    from ..report import LayerReport
+    from ..targets import DEMO, heldout_texts, load_target, training_texts
+    from ..train import evaluate_tau, train_draft
+
+    model, tokenizer = load_target(target_dir)
+    report = LayerReport.from_json(os.path.join(out, "report.json"))
+    contenders = {"ELSI m=1": report.select("elsi", 1), "EAGLE3 default m=3": report.select("eagle3", 3)}
+    texts = training_texts(DEMO)
+    held = [t for t in heldout_texts(DEMO) if len(t) >= 100]
+    step = max(1, len(held) // _EVAL_PROMPTS)
+    prompts = {"stdlib": [tokenizer(t[:1000])["input_ids"][:64] for t in held[::step][:_EVAL_PROMPTS]]}
+    taus = {}
+    for label, layers in contenders.items():
+        folder = os.path.join(out, "drafts", "-".join(map(str, layers)))
+        # Same budget and data order for both; a finished run in OUT is reused (resume).
+        draft = train_draft(model, tokenizer, layers, texts, out_dir=folder, steps=steps, batch_size=8,
+                            seq_len=128, warmup=max(1, steps // 10), seed=0, progress=progress)
+        taus[label] = evaluate_tau(model, draft, prompts, k=4, max_new_tokens=32, progress=progress)["all"]
+    print(f"\n{'draft':<20} {'layers':<12} {'fc inputs':>9} {'tau (k=4)':>9}")
+    for label, layers in contenders.items():
+        print(f"{label:<20} {str(layers):<12} {len(layers) * model.config.hidden_size:>9} {taus[label]:>9.3f}")
+    with open(os.path.join(out, "drafts", "tau.json"), "w") as f:
+        json.dump({label: {"layers": contenders[label], "tau": taus[label]} for label in contenders}, f, indent=1)
+
+
+def handler(args: argparse.Namespace) -> int:
+    from ..targets import build_demo_target
+    from . import build_parser
+
+    if args.steps < 1:
+        raise ValueError(f"--steps: must be >= 1, got {args.steps}")
+    start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    target_dir = str(build_demo_target(progress=not args.no_progress))
+    built = time.perf_counter()
+    print(f"demo target: {target_dir} ({built - start:.0f}s)")
+
+    analyze_argv = ["analyze", "--model", target_dir, "--prompts", _calibration_file(args.out), "--out", args.out,
+                    "--m", "1", "3", "--device", "cpu", "--max-tokens", "128"]
+    if args.no_progress:
+        analyze_argv.append("--no-progress")
+    analyze_args = build_parser().parse_args(analyze_argv)
+    code = analyze_args.func(analyze_args)
+    if code:
+        return code
+    analyzed = time.perf_counter()
+    if args.train_drafts:
+        _train_and_compare(target_dir, args.out, args.steps, not args.no_progress)
+    done = time.perf_counter()
+    print(f"\ntimes: target {built - start:.0f}s, analysis {analyzed - built:.0f}s"
+          + (f", drafts {done - analyzed:.0f}s" if args.train_drafts else "") + f", total {done - start:.0f}s")
+    return 0

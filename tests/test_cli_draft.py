@@ -1,0 +1,109 @@
+"""`elsi-fast train-draft` / `eval-draft` on a tiny target built by the target recipe code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elsi_fast.cli import main
+from elsi_fast.targets import TargetRecipe, build_target
+
+TRAIN = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--ttt-steps", "2",
+         "--draft-vocab-size", "64", "--intermediate-size", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n\n".join(f"the {w} went to the market on day {i}." for i, w in
+                                              enumerate(["cat", "dog", "bird", "king", "queen"] * 8)))
+    recipe = TargetRecipe(name="cli-tiny", source=str(corpus), vocab_size=300, hidden_size=16,
+                          intermediate_size=24, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                          seq_len=16, batch_size=2, steps=3, warmup=1)
+    target = build_target(recipe, cache_dir=root / "cache", progress=False)
+    prompts = root / "prompts.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"the {w} went to"]}
+            for i, (cat, w) in enumerate([("qa", "cat"), ("qa", "dog"), ("qa", "king"), ("rag", "bird")])]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return root, corpus, target, prompts
+
+
+def test_train_then_eval(setup, capsys):
+    root, corpus, target, prompts = setup
+    out = root / "draft"
+    assert main(["train-draft", "--target", str(target), "--layers", "1", "3", "--data", str(corpus),
+                 "--out", str(out), *TRAIN]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    assert config["draft_vocab_size"] == 64 and config["intermediate_size"] == 16
+    assert "layers [1, 3]" in capsys.readouterr().out
+
+    result = root / "tau.json"
+    assert main(["eval-draft", "--target", str(target), "--draft", str(out), "--prompts", str(prompts),
+                 "--k", "2", "--max-new-tokens", "6", "--max-prompts", "2", "--json", str(result),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    taus = json.loads(result.read_text())["tau"]
+    assert set(taus) == {"qa", "rag", "all"}
+    assert all(1.0 <= tau <= 3.0 for tau in taus.values())
+    rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines()[2:]}
+    assert rows["qa"] == ["2", f"{taus['qa']:.3f}"]  # --max-prompts caps each category
+    assert rows["all"] == ["3", f"{taus['all']:.3f}"]
+
+
+def test_layers_from_report(setup):
+    root, corpus, target, _ = setup
+    report = root / "report.json"
+    report.write_text(json.dumps({
+        "model": "tiny", "num_hidden_layers": 3, "layers": [], "cka": [], "tokens": {}, "options": {},
+        "selections": {"elsi": {"1": [2]}, "elsi-c": {"3": [0, 1, 3]}},
+    }))
+    out = root / "from-report"
+    assert main(["train-draft", "--target", str(target), "--report", str(report), "--method", "elsi-c",
+                 "--m", "3", "--data", str(corpus), "--out", str(out), *TRAIN]) == 0
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+
+
+def test_errors_exit_2_with_message(setup, capsys):
+    root, corpus, target, prompts = setup
+    assert main(["train-draft", "--target", str(target), "--report", str(root / "nope.json"),
+                 "--data", str(corpus), "--out", str(root / "x"), *TRAIN]) == 2
+    assert "--report" in capsys.readouterr().err
+    assert main(["train-draft", "--target", str(target), "--layers", "7", "--data", str(corpus),
+                 "--out", str(root / "x"), *TRAIN]) == 2
+    assert "layers" in capsys.readouterr().err
+    assert main(["eval-draft", "--target", str(target), "--draft", str(root / "missing"),
+                 "--prompts", str(prompts)]) == 2
+    assert "--draft" in capsys.readouterr().err
+
+
+def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys):
+    from elsi_fast import targets
+
+    # The real demo target takes minutes; the same code path on a tiny stdlib recipe takes seconds.
+    tiny = TargetRecipe(name="demo-tiny", source=targets.STDLIB, vocab_size=320, hidden_size=16,
+                        intermediate_size=24, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
+                        seq_len=32, batch_size=2, steps=2, warmup=1, max_chars=200_000,
+                        holdout_fraction=0.2)
+    monkeypatch.setattr(targets, "DEMO", tiny)
+    monkeypatch.setenv("ELSI_FAST_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--train-drafts", "--steps", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_hidden_layers"] == 8
+    assert (out / "serving_configs.json").is_file() and list(out.glob("*.png"))
+    tau = json.loads((out / "drafts" / "tau.json").read_text())
+    assert tau["EAGLE3 default m=3"]["layers"] == [2, 4, 5]
+    assert tau["ELSI m=1"]["layers"] == report["selections"]["elsi"]["1"]
+    for label, entry in tau.items():
+        assert f"{entry['tau']:.3f}" in printed and 1.0 <= entry["tau"] <= 5.0
+    assert list((tmp_path / "cache" / "targets").iterdir())[0].name.startswith("demo-tiny-")
+
+    # A second run reuses the cached target and the finished drafts.
+    monkeypatch.setattr(targets, "train_target", lambda *a, **k: pytest.fail("target trained twice"))
+    assert main(["demo", "--out", str(out), "--train-drafts", "--steps", "2", "--no-progress"]) == 0
+    assert json.loads((out / "drafts" / "tau.json").read_text()) == tau
