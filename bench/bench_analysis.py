@@ -1,0 +1,180 @@
+"""Analysis benchmark: cost of the streaming statistics over a bare forward, and memory vs prompts.
+
+    python bench/bench_analysis.py [--device cuda] [--part overhead memory threshold]
+
+overhead:  analyze()'s pass time / bare forward time of the same batches (same tokens, same batch
+           size), for stories260K and a random Llama of hidden 512 (GPU target: <= 1.15x).
+memory:    peak memory of a run vs the number of prompts, each run in a fresh process (CPU: peak
+           RSS over the RSS after loading, Linux only; CUDA: torch.cuda.max_memory_allocated), with the
+           report's own accounting of the prompt-mode Gram store and the accumulators.
+threshold: kept fraction and cross-prompt variance reduction of per-layer entropy vs the token
+           entropy threshold on stories260K (the basis of the default min_token_entropy).
+Rows go to bench/results/analysis_<device type>.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import device_name, record, time_fn  # noqa: E402
+from elsi_fast.analysis import analyze  # noqa: E402
+from elsi_fast.llama2c import load_llama2c, load_llama2c_tokenizer  # noqa: E402
+from elsi_fast.prompts import encode_prompt, load_prompts  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
+STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
+SPEC_BENCH = os.path.join(DATA, "prompts", "spec_bench_question.jsonl")
+
+
+def stories(device: str):
+    return load_llama2c(STORIES).to(device), load_llama2c_tokenizer(STORIES)
+
+
+def random_llama(device: str, dtype: torch.dtype):
+    """A random Llama with real-model proportions at small size (d=512, 8 blocks, V=32000)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval(), load_llama2c_tokenizer(STORIES)
+
+
+def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, device: str) -> float:
+    """One pass of the model's own forward (logits included) over the same padded batches."""
+    batches = []
+    for start in range(0, len(token_ids), batch_size):
+        chunk = token_ids[start : start + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, row in enumerate(chunk):
+            ids[b, : len(row)] = torch.tensor(row)
+            mask[b, : len(row)] = 1
+        batches.append((ids.to(device), mask.to(device)))
+
+    def run():
+        with torch.inference_mode():
+            for ids, mask in batches:
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    return time_fn(run, warmup=1, reps=3, device=device)
+
+
+def part_overhead(device: str, num_prompts: int, out: str) -> None:
+    prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    for name, build in (("stories260K", lambda: stories(device)), ("llama-d512-random", lambda: random_llama(device, dtype))):
+        model, tokenizer = build()
+        ids = [encode_prompt(p, tokenizer)[:512] for p in prompts]
+        forward = bare_forward_seconds(model, ids, 8, device)
+        passes = []
+        for _ in range(3):
+            report = analyze(model, tokenizer, prompts, m=(1, 3), batch_size=8, max_tokens=512, progress=False)
+            passes.append(report.timing["pass_seconds"])
+        pass_seconds = sorted(passes)[1]
+        tokens = report.tokens["total"]
+        params = {"model": name, "prompts": num_prompts, "tokens": tokens, "batch_size": 8, "dtype": str(dtype)}
+        record(out, "analysis_overhead", "pass_over_forward", pass_seconds / forward, "x", device=device_name(device),
+               baseline=forward, ratio=pass_seconds / forward, params={**params, "pass_s": pass_seconds, "forward_s": forward})
+        print(f"{name}: forward {forward:.3f}s, analysis pass {pass_seconds:.3f}s -> {pass_seconds / forward:.2f}x "
+              f"({tokens / pass_seconds:.0f} tok/s)")
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _memory_child(device: str, num_prompts: int) -> dict:
+    model, tokenizer = stories(device)
+    prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        # Reset the process's peak RSS (Linux clear_refs "5") so imports and model loading don't count.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _rss_bytes("VmRSS")
+    report = analyze(model, tokenizer, prompts, m=(1, 3), progress=False)
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _rss_bytes("VmHWM") - base
+    return {"peak_bytes": peak, **report.memory, "tokens": report.tokens["total"]}
+
+
+def part_memory(device: str, counts: list[int], out: str) -> None:
+    for count in counts:
+        result = subprocess.run(
+            [sys.executable, __file__, "--device", device, "--memory-child", str(count)],
+            check=True, capture_output=True, text=True,
+        )
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        record(out, "analysis_memory", "peak_growth", row["peak_bytes"] / 2**20, "MiB", device=device_name(device),
+               params={"model": "stories260K", "prompts": count, **row})
+        print(f"{count:4d} prompts: peak growth {row['peak_bytes'] / 2**20:7.1f} MiB, Gram store "
+              f"{row['gram_store_bytes'] / 2**20:6.1f} MiB, accumulators {row['accumulator_bytes'] / 2**20:.2f} MiB")
+
+
+def part_threshold(device: str, num_prompts: int, thresholds: list[float], out: str) -> None:
+    """gram_tokens=128 compares each prompt's kept tokens with all its tokens; gram_tokens=32 caps
+    both to 32 evenly spaced tokens, separating *which* tokens are kept from *how many*
+    (prompt-mode entropy grows with the token count)."""
+    model, tokenizer = stories(device)
+    sources = {
+        "spec_bench": SPEC_BENCH,
+        "tinystories": os.path.join(DATA, "corpus", "tinystories_valid_part.txt"),
+    }
+    for source, path in sources.items():
+        prompts = load_prompts(path, max_prompts=num_prompts)
+        for gram_tokens, threshold in itertools.product((128, 32), thresholds):
+            report = analyze(model, tokenizer, prompts, m=(1,), min_token_entropy=threshold, max_tokens=256,
+                             gram_tokens=gram_tokens, progress=False)
+            variance = report.entropy_variance
+            record(out, "analysis_threshold", "variance_reduction", variance["reduction"], "fraction",
+                   device=device_name(device),
+                   params={"model": "stories260K", "prompts": source, "count": num_prompts, "threshold": threshold,
+                           "gram_tokens": gram_tokens, "kept_fraction": report.tokens["kept_fraction"], **variance})
+            print(f"{source:<12} gram_tokens {gram_tokens:3d} threshold {threshold:4.2f}: kept "
+                  f"{100 * report.tokens['kept_fraction']:5.1f}%, variance {variance['unfiltered']:.5f} -> "
+                  f"{variance['filtered']:.5f} ({100 * variance['reduction']:+.1f}%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--part", nargs="+", default=["overhead", "memory", "threshold"])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--memory-counts", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
+    parser.add_argument("--threshold-prompts", type=int, default=96)
+    parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child is not None:
+        print(json.dumps(_memory_child(args.device, args.memory_child)))
+        return
+    out = f"analysis_{torch.device(args.device).type}"
+    if "overhead" in args.part:
+        part_overhead(args.device, args.prompts, out)
+    if "memory" in args.part:
+        part_memory(args.device, args.memory_counts, out)
+    if "threshold" in args.part:
+        part_threshold(args.device, args.threshold_prompts, args.thresholds, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""LayerReport: the result of `elsi_fast.analyze`, with selection, JSON, plots and serving configs.
+
+All layer indices are input-to-layer (DESIGN.md section 2): 0 = embeddings, l = input of block l,
+N = last block's output before the final norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import selection as sel
+from . import serving
+
+METHODS = ("elsi", "elsi-c", "eagle3", "low-entropy", "last", "uniform")
+_OPTIMIZED = ("elsi", "elsi-c", "low-entropy")
+_SERIALIZED = (
+    "model", "num_hidden_layers", "layers", "cka", "compartments", "selections", "tokens", "options",
+    "boundaries", "novelty", "pair_gain", "greedy_gains", "search", "set_values", "prompts", "entropy_variance",
+    "memory", "timing",
+)
+
+
+@dataclass
+class LayerReport:
+    """Per-layer statistics and layer selections of one analysis.
+
+    layers: N+1 dicts (index, entropy_prompt_mean/std, entropy_dataset, ...); cka: [N+1][N+1];
+    selections: {method: {str(m): [layer indices]}}; greedy_gains: each greedy step's gain, with
+    search[method][m] = "exhaustive" when the selection is the exact optimum over all m-subsets
+    (then it may differ from the greedy path) or "greedy"; pair_gain[a][b] = f({a, b}) - f({a});
+    set_entropy: f, the prompt-mode Shannon entropy of a layer set's concatenation (available
+    in the session that ran `analyze`, not after `from_json`; a repeated layer counts once).
+    """
+
+    model: str
+    num_hidden_layers: int
+    layers: list[dict]
+    cka: list[list[float]]
+    tokens: dict
+    options: dict
+    compartments: list[list[int]] = field(default_factory=list)
+    boundaries: list[int] = field(default_factory=list)
+    novelty: list[float] = field(default_factory=list)
+    selections: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    greedy_gains: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    search: dict[str, dict[str, str]] = field(default_factory=dict)
+    set_values: dict[str, dict[str, float]] = field(default_factory=dict)
+    pair_gain: list[list[float]] = field(default_factory=list)
+    prompts: dict = field(default_factory=dict)
+    entropy_variance: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    set_entropy: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
+
+    # -----------------------------------------------------------------------------------------
+    # Selection
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        """N + 1 hidden states."""
+        return self.num_hidden_layers + 1
+
+    def _candidates(self) -> list[int]:
+        candidates = self.options.get("candidates")
+        return list(range(1, self.num_hidden_layers)) if candidates is None else list(candidates)
+
+    def _objective(self, method: str) -> Callable:
+        if self.set_entropy is None:
+            raise ValueError(
+                f"method: {method!r} needs the prompt-mode set entropies, which are only available in the "
+                "session that ran analyze(); rerun analyze with this m"
+            )
+
+        if method == "elsi-c":
+            return sel.cka_penalized(self.set_entropy, np.asarray(self.cka), self.options.get("beta", 1.0))
+        return self.set_entropy
+
+    def compute_selections(self) -> None:
+        """Compartments, pair gains and every method's selection for each m in options['m']."""
+        cka = np.asarray(self.cka, dtype=np.float64)
+        half_width = self.options.get("novelty_half_width", 2)
+        self.novelty = sel.novelty_curve(cka, half_width).tolist()
+        self.boundaries = sel.novelty_boundaries(cka, half_width, self.options.get("novelty_threshold", 0.1))
+        self.compartments = sel.compartments_from_boundaries(self.boundaries, self.num_layers)
+        if self.set_entropy is not None:
+            self.pair_gain = sel.pair_gain_matrix(self._objective("elsi"), list(range(self.num_layers))).tolist()
+        for m in self.options.get("m", (1, 3)):
+            for method in ("elsi", "elsi-c", "low-entropy", "uniform"):
+                self.select(method, m)
+        # The fixed-size rules are the reference points whatever m was asked for.
+        if self.num_hidden_layers >= 3:
+            self.select("eagle3", 3)
+        self.select("last", 1)
+
+    def select(self, method: str, m: int) -> list[int]:
+        """Layer indices (input-to-layer) chosen by `method` for `m` layers.
+
+        method: "elsi" (max prompt-mode entropy of the concatenation), "elsi-c" (minus beta x mean
+        pairwise CKA; one layer per compartment if options['one_per_compartment']), "low-entropy"
+        (the control: minimum entropy), "eagle3" ([2, N//2, N-3], m=3 only), "last" ([N], m=1
+        only), "uniform" (evenly spaced).
+        """
+        if method not in METHODS:
+            raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"m: must be a positive integer, got {m!r}")
+        m = int(m)
+        stored = self.selections.get(method, {}).get(str(m))
+        if stored is not None:
+            return list(stored)
+        n = self.num_hidden_layers
+        gains = None
+        if method == "eagle3":
+            if m != 3:
+                raise ValueError(f"m: the eagle3 rule picks exactly 3 layers, got m={m}")
+            layers = sel.eagle3_layers(n)
+        elif method == "last":
+            if m != 1:
+                raise ValueError(f"m: the last-layer baseline is one layer, got m={m}")
+            layers = sel.last_layer(n)
+        elif method == "uniform":
+            layers = sel.uniform_layers(n, m)
+        else:
+            objective = self._objective(method)
+            compartments = (
+                self.compartments if method == "elsi-c" and self.options.get("one_per_compartment") else None
+            )
+            # The control may also take the embeddings (the paper's {0, 1, N-1}).
+            candidates = sorted({0, *self._candidates()}) if method == "low-entropy" else self._candidates()
+            choice = sel.select(
+                objective,
+                candidates,
+                m,
+                maximize=method != "low-entropy",
+                compartments=compartments,
+                max_exhaustive=self.options.get("max_exhaustive", 1000),
+            )
+            layers, gains = choice.layers, choice.gains
+            self.search.setdefault(method, {})[str(m)] = "exhaustive" if choice.exhaustive else "greedy"
+        self.selections.setdefault(method, {})[str(m)] = list(layers)
+        if gains is not None:
+            self.greedy_gains.setdefault(method, {})[str(m)] = list(gains)
+        if self.set_entropy is not None:
+            value = float(self._objective("elsi")([tuple(layers)])[0])
+            self.set_values.setdefault(method, {})[str(m)] = value
+        return list(layers)
+
+    # -----------------------------------------------------------------------------------------
+    # Serving
+    # -----------------------------------------------------------------------------------------
+
+    def _default_m(self) -> int:
+        ms = list(self.options.get("m", (3,)))
+        return 3 if 3 in ms else max(ms)
+
+    def serving_notes(self, engine: str, m: int | None = None, method: str = "elsi") -> list[str]:
+        """Caveats for serving the selection with `engine` (m != 3, h_N, repeated layers)."""
+        layers = self.select(method, self._default_m() if m is None else m)
+        return serving.engine_notes(layers, engine, self.num_hidden_layers)
+
+    def serving_config(self, engine: str, m: int | None = None, method: str = "elsi") -> dict:
+        """Draft-config snippet for `engine` ("vllm", "speculators", "sglang", "specforge",
+        "trtllm") in that engine's index convention; caveats are issued as UserWarnings."""
+        layers = self.select(method, self._default_m() if m is None else m)
+        config = serving.serving_config(layers, engine, self.num_hidden_layers)
+        for note in serving.engine_notes(layers, engine, self.num_hidden_layers):
+            warnings.warn(f"{engine}: {note}", UserWarning, stacklevel=2)
+        return config
+
+    # -----------------------------------------------------------------------------------------
+    # JSON
+    # -----------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: _plain(getattr(self, key)) for key in _SERIALIZED}
+
+    def to_json(self, path: str) -> None:
+        """Write report.json (indices input-to-layer)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_json(cls, path: str) -> "LayerReport":
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"path: {path} does not hold a LayerReport JSON object")
+        missing = [k for k in ("model", "num_hidden_layers", "layers", "cka", "tokens", "options") if k not in data]
+        if missing:
+            raise ValueError(f"path: {path} lacks the LayerReport keys {missing}")
+        return cls(**{k: v for k, v in data.items() if k in _SERIALIZED})
+
+    # -----------------------------------------------------------------------------------------
+    # Text and plots
+    # -----------------------------------------------------------------------------------------
+
+    def table(self) -> str:
+        """Plain-text summary: per-layer entropies and every method's selections."""
+        lines = [
+            f"model: {self.model}  (N={self.num_hidden_layers} blocks; h_0..h_{self.num_hidden_layers}, "
+            "input-to-layer indices)",
+            f"tokens: {self.tokens.get('kept')} kept of {self.tokens.get('candidates')} "
+            f"({100 * self.tokens.get('kept_fraction', 0):.1f}%, min_token_entropy="
+            f"{self.options.get('min_token_entropy')} nats)",
+        ]
+        variance = self.entropy_variance
+        if "reduction" in variance:
+            lines.append(
+                f"cross-prompt variance of layer entropy: {variance['unfiltered']:.4g} -> {variance['filtered']:.4g} "
+                f"with the filter ({100 * variance['reduction']:+.1f}% reduction)"
+            )
+        if self.memory:
+            lines.append(
+                f"prompt-mode Gram store: {self.memory['gram_store_bytes'] / 2**20:.1f} MiB for "
+                f"{self.prompts.get('in_prompt_mode')} prompts (<= {self.options.get('gram_tokens')} tokens each, "
+                f"{self.options.get('gram_dtype')}); accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
+            )
+        lines.append("")
+        lines.append(f"{'layer':>5}  {'H prompt (mean±std)':>20}  {'H dataset':>9}  {'H2 dataset':>10}  compartment")
+        compartment_of = {l: i for i, (a, b) in enumerate(self.compartments) for l in range(a, b + 1)}
+        for entry in self.layers:
+            index = entry["index"]
+            lines.append(
+                f"{index:>5}  {entry['entropy_prompt_mean']:>11.3f} ± {entry['entropy_prompt_std']:<6.3f}  "
+                f"{entry['entropy_dataset']:>9.3f}  {entry.get('renyi2_dataset', float('nan')):>10.3f}  "
+                f"{compartment_of.get(index, '')}"
+            )
+        lines.append("")
+        lines.append(f"{'method':<12} {'m':>2}  {'layers':<16} {'H(concat)':>9}  {'search':<10}  greedy-path gains")
+        for method in METHODS:
+            for m, layers in sorted(self.selections.get(method, {}).items(), key=lambda kv: int(kv[0])):
+                value = self.set_values.get(method, {}).get(m)
+                gains = self.greedy_gains.get(method, {}).get(m)
+                search = self.search.get(method, {}).get(m, "rule")
+                lines.append(
+                    f"{method:<12} {m:>2}  {str(layers):<16} {'' if value is None else f'{value:9.3f}':>9}  "
+                    f"{search:<10}  {'' if gains is None else ' '.join(f'{g:+.3f}' for g in gains)}"
+                )
+        return "\n".join(lines)
+
+    def plot(self, out_dir: str) -> list[str]:
+        """Save entropy.png, cka.png and pair_gain.png in out_dir; returns their paths."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(out_dir, exist_ok=True)
+        index = np.arange(self.num_layers)
+        mean = np.array([e["entropy_prompt_mean"] for e in self.layers])
+        std = np.array([e["entropy_prompt_std"] for e in self.layers])
+        dataset = np.array([e["entropy_dataset"] for e in self.layers])
+        paths = []
+
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=90)
+        ax.plot(index, mean, "o-", color="C0", label="prompt mode (mean ± std)")
+        ax.fill_between(index, mean - std, mean + std, color="C0", alpha=0.2)
+        ax.set_xlabel("layer l (h_l = input of block l)")
+        ax.set_ylabel("matrix entropy, prompt mode (nats)")
+        twin = ax.twinx()
+        twin.plot(index, dataset, "s--", color="C1", label="dataset mode")
+        twin.set_ylabel("matrix entropy, dataset mode (nats)")
+        m = self._default_m()
+        markers = {"elsi": ("*", "C3"), "eagle3": ("v", "C2")}
+        for method, (marker, color) in markers.items():
+            chosen = self.selections.get(method, {}).get(str(m))
+            if chosen:
+                ax.scatter(chosen, mean[chosen], marker=marker, s=160, color=color, zorder=5, label=f"{method} m={m}")
+        handles = ax.get_legend_handles_labels()
+        twin_handles = twin.get_legend_handles_labels()
+        ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=7, loc="lower center")
+        ax.set_title(f"{os.path.basename(self.model.rstrip('/')) or self.model}: entropy over depth", fontsize=9)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir, "entropy.png"))
+
+        fig, ax = plt.subplots(figsize=(4.6, 4), dpi=90)
+        image = ax.imshow(np.asarray(self.cka), cmap="viridis", vmin=0, vmax=1, origin="upper")
+        for boundary in self.boundaries:
+            ax.axhline(boundary - 0.5, color="white", lw=1.5)
+            ax.axvline(boundary - 0.5, color="white", lw=1.5)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("layer")
+        ax.set_title("linear CKA (lines: compartment boundaries)", fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir, "cka.png"))
+
+        if self.pair_gain:
+            fig, ax = plt.subplots(figsize=(4.6, 4), dpi=90)
+            image = ax.imshow(np.asarray(self.pair_gain), cmap="magma", origin="upper")
+            ax.set_xlabel("added layer b")
+            ax.set_ylabel("first layer a")
+            ax.set_title("pair gain f({a,b}) - f({a}) (nats)", fontsize=9)
+            fig.colorbar(image, ax=ax, fraction=0.046)
+            fig.tight_layout()
+            paths.append(_save(fig, out_dir, "pair_gain.png"))
+        return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out_dir, name)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy: tuples to lists, numpy scalars and arrays to Python."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

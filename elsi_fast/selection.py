@@ -1,0 +1,286 @@
+"""Layer selection from entropy and CKA: compartments, ELSI, ELSI-C and the baselines.
+
+Everything here is plain numpy on small L x L matrices and on a *set function* `f`, a callable
+that maps a list of layer sets (tuples of input-to-layer indices) to their objective values in one
+batched call, so the caller decides how a set's entropy is computed (prompt-mode Shannon entropy
+of the concatenation, dataset-mode Renyi-2, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+SetFunction = Callable[[Sequence[tuple[int, ...]]], np.ndarray]
+
+
+def _check_square(matrix: np.ndarray, name: str) -> np.ndarray:
+    matrix = np.asarray(matrix, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] < 1:
+        raise ValueError(f"{name}: expected a non-empty square matrix, got shape {matrix.shape}")
+    if not np.all(np.isfinite(matrix)):
+        raise ValueError(f"{name}: contains NaN or inf")
+    return matrix
+
+
+# ---------------------------------------------------------------------------------------------
+# Compartments
+# ---------------------------------------------------------------------------------------------
+
+
+def novelty_curve(cka: np.ndarray, half_width: int = 2) -> np.ndarray:
+    """Foote checkerboard novelty along the diagonal of the [L, L] CKA matrix.
+
+    Entry b (1 <= b < L) scores a boundary between layers b-1 and b:
+    mean(A[b-w:b, b-w:b]) + mean(A[b:b+w, b:b+w]) - 2 mean(A[b-w:b, b:b+w]), with the half-width
+    w shrunk near the ends so the two windows stay equal and inside the matrix. Entry 0 is 0.
+    """
+    cka = _check_square(cka, "cka")
+    if half_width < 1:
+        raise ValueError(f"half_width: must be >= 1, got {half_width}")
+    size = cka.shape[0]
+    novelty = np.zeros(size)
+    for b in range(1, size):
+        w = min(half_width, b, size - b)
+        before, after = slice(b - w, b), slice(b, b + w)
+        novelty[b] = cka[before, before].mean() + cka[after, after].mean() - 2 * cka[before, after].mean()
+    return novelty
+
+
+def novelty_boundaries(cka: np.ndarray, half_width: int = 2, threshold: float = 0.1) -> list[int]:
+    """Boundaries b (a compartment starts at layer b): local maxima of the novelty curve above
+    `threshold` (a plateau counts once, at its first index)."""
+    novelty = novelty_curve(cka, half_width)
+    size = len(novelty)
+    boundaries = []
+    for b in range(1, size):
+        left = novelty[b - 1] if b > 1 else -np.inf
+        right = novelty[b + 1] if b + 1 < size else -np.inf
+        if novelty[b] > threshold and novelty[b] > left and novelty[b] >= right:
+            boundaries.append(b)
+    return boundaries
+
+
+def compartments_from_boundaries(boundaries: Sequence[int], num_layers: int) -> list[list[int]]:
+    """Runs between boundaries as inclusive [first, last] pairs covering 0..num_layers-1."""
+    starts = [0, *sorted(b for b in boundaries if 0 < b < num_layers)]
+    ends = [s - 1 for s in starts[1:]] + [num_layers - 1]
+    return [[s, e] for s, e in zip(starts, ends)]
+
+
+def segment_compartments(cka: np.ndarray, k: int) -> list[list[int]]:
+    """Exact split of layers 0..L-1 into k contiguous compartments by dynamic programming.
+
+    Maximizes sum over segments of (sum of the segment's CKA block) / (segment size): with CKA as
+    a kernel this is contiguous kernel k-means (within-segment scatter is minimized), which does
+    not favour one huge segment the way a raw sum of within-segment entries would.
+    """
+    cka = _check_square(cka, "cka")
+    size = cka.shape[0]
+    if not 1 <= k <= size:
+        raise ValueError(f"k: must be in 1..{size} (number of layers), got {k}")
+    prefix = np.zeros((size + 1, size + 1))
+    prefix[1:, 1:] = cka.cumsum(0).cumsum(1)
+
+    def score(i: int, j: int) -> float:  # segment [i, j) inclusive-exclusive
+        block = prefix[j, j] - prefix[i, j] - prefix[j, i] + prefix[i, i]
+        return block / (j - i)
+
+    best = np.full((k + 1, size + 1), -np.inf)
+    back = np.zeros((k + 1, size + 1), dtype=int)
+    best[0, 0] = 0.0
+    for parts in range(1, k + 1):
+        for end in range(parts, size + 1):
+            for start in range(parts - 1, end):
+                value = best[parts - 1, start] + score(start, end)
+                if value > best[parts, end]:
+                    best[parts, end], back[parts, end] = value, start
+    segments, end = [], size
+    for parts in range(k, 0, -1):
+        start = back[parts, end]
+        segments.append([int(start), end - 1])
+        end = start
+    return segments[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Set selection
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    """A chosen layer set. `gains[i]` is the objective gain of the i-th greedy step (f(empty) = 0);
+    `exhaustive` is True when `layers` is the exact optimum over all C(L, m) sets."""
+
+    layers: list[int]
+    value: float
+    gains: list[float] = field(default_factory=list)
+    exhaustive: bool = False
+
+
+def _allowed(candidate: int, chosen: Sequence[int], compartment_of: dict[int, int] | None) -> bool:
+    if candidate in chosen:
+        return False
+    if compartment_of is None:
+        return True
+    return compartment_of[candidate] not in {compartment_of[c] for c in chosen}
+
+
+def greedy_select(
+    f: SetFunction,
+    candidates: Sequence[int],
+    m: int,
+    *,
+    maximize: bool = True,
+    compartments: Sequence[Sequence[int]] | None = None,
+) -> Selection:
+    """Add the best layer m times (argmax, or argmin with maximize=False) of f(S + {l}).
+
+    With `compartments`, at most one layer per compartment is taken.
+    """
+    candidates = sorted(set(int(c) for c in candidates))
+    compartment_of = _compartment_index(compartments, candidates)
+    _check_m(m, candidates, compartment_of)
+    chosen: list[int] = []
+    gains: list[float] = []
+    current = 0.0
+    for _ in range(m):
+        options = [c for c in candidates if _allowed(c, chosen, compartment_of)]
+        values = np.asarray(f([tuple(sorted([*chosen, c])) for c in options]), dtype=np.float64)
+        pick = int(np.argmax(values) if maximize else np.argmin(values))
+        chosen.append(options[pick])
+        gains.append(float(values[pick] - current))
+        current = float(values[pick])
+    return Selection(layers=sorted(chosen), value=current, gains=gains)
+
+
+def exhaustive_select(
+    f: SetFunction,
+    candidates: Sequence[int],
+    m: int,
+    *,
+    maximize: bool = True,
+    compartments: Sequence[Sequence[int]] | None = None,
+    chunk: int = 4096,
+) -> Selection:
+    """The exact optimum of f over all m-subsets of `candidates` (respecting `compartments`)."""
+    candidates = sorted(set(int(c) for c in candidates))
+    compartment_of = _compartment_index(compartments, candidates)
+    _check_m(m, candidates, compartment_of)
+    best_set, best_value = None, None
+    subsets = (
+        s
+        for s in itertools.combinations(candidates, m)
+        if compartment_of is None or len({compartment_of[c] for c in s}) == m
+    )
+    while batch := list(itertools.islice(subsets, chunk)):
+        values = np.asarray(f(batch), dtype=np.float64)
+        pick = int(np.argmax(values) if maximize else np.argmin(values))
+        if best_value is None or (values[pick] > best_value if maximize else values[pick] < best_value):
+            best_set, best_value = batch[pick], float(values[pick])
+    return Selection(layers=list(best_set), value=best_value, exhaustive=True)
+
+
+def select(
+    f: SetFunction,
+    candidates: Sequence[int],
+    m: int,
+    *,
+    maximize: bool = True,
+    compartments: Sequence[Sequence[int]] | None = None,
+    max_exhaustive: int = 1000,
+) -> Selection:
+    """Greedy selection, replaced by the exact optimum when C(len(candidates), m) <= max_exhaustive.
+    The greedy steps' gains are kept either way."""
+    greedy = greedy_select(f, candidates, m, maximize=maximize, compartments=compartments)
+    if math.comb(len(set(candidates)), m) > max_exhaustive:
+        return greedy
+    best = exhaustive_select(f, candidates, m, maximize=maximize, compartments=compartments)
+    best.gains = greedy.gains
+    return best
+
+
+def pair_gain_matrix(f: SetFunction, candidates: Sequence[int]) -> np.ndarray:
+    """G[i, j] = f({a_i, a_j}) - f({a_i}) over `candidates` a (diagonal 0): the gain of adding
+    layer a_j to layer a_i. Its non-uniformity shows that selection must be joint."""
+    candidates = list(candidates)
+    singles = np.asarray(f([(a,) for a in candidates]), dtype=np.float64)
+    pairs = list(itertools.combinations(range(len(candidates)), 2))
+    pair_values = np.asarray(f([(candidates[i], candidates[j]) for i, j in pairs]), dtype=np.float64)
+    gain = np.zeros((len(candidates), len(candidates)))
+    for (i, j), value in zip(pairs, pair_values):
+        gain[i, j] = value - singles[i]
+        gain[j, i] = value - singles[j]
+    return gain
+
+
+def cka_penalized(f: SetFunction, cka: np.ndarray, beta: float) -> SetFunction:
+    """ELSI-C objective: f(S) - beta * mean over pairs a < b in S of CKA[a, b] (0 for one layer)."""
+    cka = _check_square(cka, "cka")
+    if not np.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta: must be a finite number >= 0, got {beta}")
+
+    def penalized(sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+        values = np.asarray(f(sets), dtype=np.float64).copy()
+        for i, s in enumerate(sets):
+            if len(s) > 1:
+                values[i] -= beta * np.mean([cka[a, b] for a, b in itertools.combinations(s, 2)])
+        return values
+
+    return penalized
+
+
+def _compartment_index(
+    compartments: Sequence[Sequence[int]] | None, candidates: Sequence[int]
+) -> dict[int, int] | None:
+    if compartments is None:
+        return None
+    index = {}
+    for number, (first, last) in enumerate(compartments):
+        for layer in range(first, last + 1):
+            index[layer] = number
+    missing = [c for c in candidates if c not in index]
+    if missing:
+        raise ValueError(f"compartments: layers {missing} are in no compartment")
+    return index
+
+
+def _check_m(m: int, candidates: Sequence[int], compartment_of: dict[int, int] | None) -> None:
+    limit = len(candidates) if compartment_of is None else len({compartment_of[c] for c in candidates})
+    what = "candidate layers" if compartment_of is None else "compartments (one layer per compartment)"
+    if not isinstance(m, (int, np.integer)) or not 1 <= m <= limit:
+        raise ValueError(f"m: must be an integer in 1..{limit} (number of {what}), got {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines (input-to-layer indices of an N-block model)
+# ---------------------------------------------------------------------------------------------
+
+
+def eagle3_layers(num_blocks: int) -> list[int]:
+    """EAGLE3's fixed low/mid/high rule [2, N//2, N-3] (may repeat a layer when N < 6)."""
+    if num_blocks < 3:
+        raise ValueError(f"num_blocks: the EAGLE3 rule [2, N//2, N-3] needs N >= 3, got {num_blocks}")
+    return [2, num_blocks // 2, num_blocks - 3]
+
+
+def last_layer(num_blocks: int) -> list[int]:
+    """The EAGLE1/EAGLE2 feature: h_N, the last block's output before the final norm."""
+    return [num_blocks]
+
+
+def uniform_layers(num_blocks: int, m: int) -> list[int]:
+    """m layers evenly spaced inside 1..N: round(N (i+1) / (m+1)), i = 0..m-1 (half rounds up)."""
+    if not 1 <= m <= num_blocks:
+        raise ValueError(f"m: must be in 1..{num_blocks} for uniform spacing, got {m}")
+    layers: list[int] = []
+    for i in range(m):
+        position = int(math.floor(num_blocks * (i + 1) / (m + 1) + 0.5))
+        # When m is close to N, neighbours can round to the same layer: push them apart.
+        layers.append(max(position, layers[-1] + 1) if layers else max(position, 1))
+    return layers

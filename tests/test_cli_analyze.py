@@ -1,0 +1,59 @@
+"""`elsi-fast analyze` on the real stories260K model and Spec-Bench prompts."""
+
+import argparse
+import json
+import os
+
+import pytest
+
+from elsi_fast.cli.analyze import register
+
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser(prog="elsi-fast")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_analyze_stories260k(shared_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = run_cli([
+        "analyze", "--model", os.path.join(shared_data, "models", "stories260K", "stories260K.bin"),
+        "--prompts", os.path.join(shared_data, "prompts", "spec_bench_question.jsonl"),
+        "--out", str(out), "--max-prompts", "6", "--m", "1", "2", "--batch-size", "3", "--no-progress",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "h_0..h_5" in printed and "elsi" in printed and "eagle3" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_hidden_layers"] == 5 and len(report["layers"]) == 6
+    assert report["options"]["m"] == [1, 2] and report["options"]["max_prompts"] is None
+    for name in ("entropy.png", "cka.png", "pair_gain.png", "serving_configs.json", "state.pt"):
+        assert (out / name).stat().st_size > 0
+    configs = json.loads((out / "serving_configs.json").read_text())
+    elsi2 = report["selections"]["elsi"]["2"]
+    assert configs["elsi/m=2/vllm"]["config"] == {"eagle_aux_hidden_state_layer_ids": elsi2}
+    assert configs["elsi/m=2/sglang"]["config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [l - 1 for l in elsi2]
+    assert any("hard-codes" in note for note in configs["elsi/m=2/vllm"]["notes"])
+
+
+def test_analyze_bad_prompt_file(shared_data, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
+    with pytest.raises(ValueError, match="no prompts"):
+        run_cli(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o"), "--no-progress"])
+    with pytest.raises(ValueError, match="m: each set size"):
+        run_cli(["analyze", "--model", model, "--prompts", os.path.join(shared_data, "prompts", "mt_bench_question.jsonl"),
+                 "--out", str(tmp_path / "o"), "--m", "5", "--max-prompts", "2", "--no-progress"])
+
+
+def test_entry_point_reports_bad_input_with_exit_code_2(shared_data, tmp_path, capsys):
+    from elsi_fast.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
+    assert main(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "elsi-fast analyze: error: prompts:" in capsys.readouterr().err

@@ -1,0 +1,134 @@
+"""Compartments, greedy/exhaustive selection, pair gains, ELSI-C and baselines against brute force."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from elsi_fast import selection as sel
+
+
+def block_cka(sizes, inside=0.95, outside=0.2):
+    labels = np.repeat(np.arange(len(sizes)), sizes)
+    return np.where(labels[:, None] == labels[None, :], inside, outside)
+
+
+def test_novelty_finds_planted_block_boundaries():
+    cka = block_cka([3, 4, 2])
+    assert sel.novelty_boundaries(cka, half_width=2, threshold=0.1) == [3, 7]
+    assert sel.compartments_from_boundaries([3, 7], 9) == [[0, 2], [3, 6], [7, 8]]
+    novelty = sel.novelty_curve(cka, half_width=2)
+    # boundary b=3 with w=2: 0.95 + 0.95 - 2 * 0.2
+    assert novelty[3] == pytest.approx(1.5)
+    assert novelty[1] == pytest.approx(0.0)  # inside a block
+
+
+def test_novelty_threshold_and_uniform_matrix():
+    assert sel.novelty_boundaries(np.ones((6, 6)), threshold=0.1) == []
+    with pytest.raises(ValueError, match="half_width"):
+        sel.novelty_curve(np.eye(3), half_width=0)
+    with pytest.raises(ValueError, match="cka"):
+        sel.novelty_curve(np.ones((2, 3)))
+
+
+def _brute_force_segmentation(cka, k):
+    size = len(cka)
+    best, best_value = None, -np.inf
+    for cuts in itertools.combinations(range(1, size), k - 1):
+        edges = [0, *cuts, size]
+        value = sum(cka[a:b, a:b].sum() / (b - a) for a, b in zip(edges, edges[1:]))
+        if value > best_value:
+            best, best_value = [[a, b - 1] for a, b in zip(edges, edges[1:])], value
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_dp_segmentation_equals_brute_force(seed, k):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(9, 4))
+    cka = np.abs(np.corrcoef(x))  # a symmetric similarity matrix with unit diagonal
+    assert sel.segment_compartments(cka, k) == _brute_force_segmentation(cka, k)
+
+
+def test_dp_segmentation_recovers_blocks_and_rejects_bad_k():
+    assert sel.segment_compartments(block_cka([2, 5, 3]), 3) == [[0, 1], [2, 6], [7, 9]]
+    with pytest.raises(ValueError, match="k"):
+        sel.segment_compartments(np.eye(4), 5)
+
+
+def weighted_coverage(weights, covers):
+    """A monotone submodular set function (coverage): greedy has known behaviour on it."""
+
+    def f(sets):
+        return np.array([sum(weights[e] for e in set().union(*(covers[a] for a in s))) for s in sets])
+
+    return f
+
+
+def test_greedy_gains_and_exhaustive_optimum_differ_on_a_known_trap():
+    # Greedy takes 0 first (covers 4 of 6 elements) and then gains 1; {1, 2} covers all 6.
+    covers = {0: {0, 1, 2, 3}, 1: {0, 2, 4}, 2: {1, 3, 5}, 3: set()}
+    f = weighted_coverage(np.ones(6), covers)
+    greedy = sel.greedy_select(f, range(4), 2)
+    assert greedy.layers in ([0, 1], [0, 2])
+    assert greedy.gains == [4.0, 1.0] and greedy.value == 5.0
+    best = sel.exhaustive_select(f, range(4), 2)
+    assert best.layers == [1, 2] and best.value == 6.0 and best.exhaustive
+    chosen = sel.select(f, range(4), 2, max_exhaustive=10)
+    assert chosen.layers == [1, 2] and chosen.gains == [4.0, 1.0]
+    assert sel.select(f, range(4), 2, max_exhaustive=1).layers == greedy.layers  # C(4,2)=6 > 1
+
+
+def test_exhaustive_matches_brute_force_on_random_function():
+    rng = np.random.default_rng(0)
+    table = {s: rng.normal() for r in range(1, 4) for s in itertools.combinations(range(7), r)}
+    f = lambda sets: np.array([table[tuple(s)] for s in sets])  # noqa: E731
+    for m in (1, 2, 3):
+        best = max((s for s in table if len(s) == m), key=table.get)
+        worst = min((s for s in table if len(s) == m), key=table.get)
+        assert sel.exhaustive_select(f, range(7), m, chunk=5).layers == list(best)
+        assert sel.exhaustive_select(f, range(7), m, maximize=False).layers == list(worst)
+
+
+def test_one_per_compartment_constraint():
+    covers = {i: {i} for i in range(6)}
+    f = weighted_coverage(np.array([5, 4, 3, 2, 1, 0.5]), covers)
+    compartments = [[0, 1], [2, 3], [4, 5]]
+    assert sel.greedy_select(f, range(6), 3, compartments=compartments).layers == [0, 2, 4]
+    assert sel.exhaustive_select(f, range(6), 3, compartments=compartments).layers == [0, 2, 4]
+    with pytest.raises(ValueError, match="compartments"):
+        sel.greedy_select(f, range(6), 4, compartments=compartments)
+
+
+def test_pair_gain_matrix_and_cka_penalty():
+    covers = {0: {0, 1}, 1: {1, 2}, 2: {3}}
+    f = weighted_coverage(np.ones(4), covers)
+    gain = sel.pair_gain_matrix(f, [0, 1, 2])
+    np.testing.assert_array_equal(gain, [[0, 1, 1], [1, 0, 1], [2, 2, 0]])  # row: first layer, not symmetric
+    cka = np.array([[1, 0.8, 0.1], [0.8, 1, 0.3], [0.1, 0.3, 1]])
+    penalized = sel.cka_penalized(f, cka, beta=2.0)
+    np.testing.assert_allclose(penalized([(0,), (0, 1), (0, 1, 2)]), [2, 3 - 1.6, 4 - 2 * (0.8 + 0.1 + 0.3) / 3])
+    with pytest.raises(ValueError, match="beta"):
+        sel.cka_penalized(f, cka, beta=-1)
+
+
+def test_bad_m():
+    f = weighted_coverage(np.ones(2), {0: {0}, 1: {1}})
+    with pytest.raises(ValueError, match="m: must be an integer in 1..2"):
+        sel.greedy_select(f, [0, 1], 3)
+    with pytest.raises(ValueError, match="m"):
+        sel.exhaustive_select(f, [0, 1], 0)
+
+
+def test_baselines():
+    assert sel.eagle3_layers(36) == [2, 18, 33]
+    assert sel.eagle3_layers(32) == [2, 16, 29]
+    assert sel.last_layer(36) == [36]
+    assert sel.uniform_layers(36, 3) == [9, 18, 27]
+    assert sel.uniform_layers(32, 1) == [16]
+    assert sel.uniform_layers(2, 2) == [1, 2]  # neighbours that round together are pushed apart
+    with pytest.raises(ValueError, match="num_blocks"):
+        sel.eagle3_layers(2)
+    with pytest.raises(ValueError, match="m"):
+        sel.uniform_layers(4, 5)
