@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from .capture import capture_hidden_states, decoder_layers
-from .metrics import _normalize_tokens, linear_token_entropy, spectrum_entropy, token_entropy
+from .metrics import normalize_tokens, linear_token_entropy, spectrum_entropy, token_entropy
 from .prompts import Prompt, encode_prompt
 from .report import LayerReport
 from .streaming import MinibatchHSIC, StreamingCovariance
 
 # Default token-entropy threshold (nats), from bench/bench_analysis.py --part threshold on
-# stories260K, the one real model here (docs/worked_example.md). On 96 Spec-Bench prompts at equal
+# stories260K, the one real model here (README, "Worked example"). On 96 Spec-Bench prompts at equal
 # token counts per prompt (gram_tokens=32), 0.5 nats cut the cross-prompt variance of per-layer
 # entropy by 21% keeping 89% of the tokens, the largest reduction measured; 1 and 2 nats raised it
 # (by 22% and 98%), and on in-domain TinyStories text every threshold raised it. The paper's
@@ -276,7 +276,7 @@ def _prompt_grams(rows: list[torch.Tensor], gram_tokens: int, compute_dtype: tor
         # Evenly spaced tokens keep the whole prompt represented at a bounded size.
         pick = torch.linspace(0, n - 1, gram_tokens, device=rows[0].device).round().long()
         rows = [r[pick] for r in rows]
-    z = _normalize_tokens(torch.stack(rows).to(compute_dtype), "center_l2")
+    z = normalize_tokens(torch.stack(rows).to(compute_dtype), "center_l2")
     return (z @ z.transpose(-2, -1)).to(device="cpu", dtype=store_dtype)
 
 

@@ -83,7 +83,7 @@ def spectrum_entropy(eigvals: torch.Tensor, alpha: float = 1.0, *, rtol: float |
     return torch.log(p.pow(alpha).sum(-1)) / (1.0 - alpha)
 
 
-def _normalize_tokens(z: torch.Tensor, normalize: str) -> torch.Tensor:
+def normalize_tokens(z: torch.Tensor, normalize: str) -> torch.Tensor:
     """Center over tokens (dim -2) and/or L2-normalize rows; zero rows stay zero."""
     if normalize in ("center", "center_l2"):
         z = z - z.mean(-2, keepdim=True)
@@ -105,7 +105,7 @@ def matrix_entropy(x: torch.Tensor, alpha: float = 1.0, normalize: str = "center
     n, d = x.shape[-2:]
     if n == 0 or d == 0:
         raise ValueError(f"x must have at least one token and one feature, got shape {tuple(x.shape)}")
-    z = _normalize_tokens(x.to(torch.float64), normalize)
+    z = normalize_tokens(x.to(torch.float64), normalize)
     if bool((z.square().sum((-2, -1)) == 0).any()):
         raise ValueError(
             f"x is all zero after normalize={normalize!r} (e.g. one token or identical tokens with "
