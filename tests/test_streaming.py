@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elsi_fast import MinibatchHSIC, StreamingCovariance, matrix_entropy
+from numpy_references import np_hsic_song
 
 HYPOTHESIS = settings(max_examples=15, deadline=None)
 
@@ -30,19 +31,6 @@ def np_rows(x: torch.Tensor, normalize: str, mask: torch.Tensor | None = None) -
 
 def np_population_cov(y: np.ndarray) -> np.ndarray:
     return np.cov(y.T, bias=True).reshape(y.shape[1], y.shape[1])
-
-
-def np_hsic_song(K: np.ndarray, L: np.ndarray) -> float:
-    """Song et al. (2012) unbiased HSIC, written out term by term."""
-    n = K.shape[0]
-    Kt, Lt = K.copy(), L.copy()
-    np.fill_diagonal(Kt, 0)
-    np.fill_diagonal(Lt, 0)
-    one = np.ones(n)
-    return float(
-        (np.trace(Kt @ Lt) + (one @ Kt @ one) * (one @ Lt @ one) / ((n - 1) * (n - 2)) - 2.0 / (n - 2) * (one @ Kt @ Lt @ one))
-        / (n * (n - 3))
-    )
 
 
 def hidden_states(num_layers: int, n: int, d: int, seed: int, offset: float = 0.0, dtype=torch.float32) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 
 from elsi_fast.draft import DraftKVCache, Eagle3Config, Eagle3Draft
 
+from .random_draft import randomize_draft_
+
 # ----------------------------------------------------------------------------------------------
 # Independent float64 reference: per-position, per-head loops, explicit masks, softmax by hand.
 # ----------------------------------------------------------------------------------------------
@@ -118,14 +120,7 @@ def make_draft(cfg, dtype=torch.float64, seed=0):
     """A draft with every weight random (norm weights too) and a random sorted draft vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, dtype=torch.float64)
-    draft = Eagle3Draft(cfg, embed)
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
-    draft.set_draft_vocab(torch.randperm(cfg.vocab_size, generator=gen)[: cfg.draft_vocab_size].sort().values)
+    draft = randomize_draft_(Eagle3Draft(cfg, embed), gen)
     return draft.to(dtype), embed
 
 

@@ -15,6 +15,8 @@ import torch
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
 from elsi_fast.draft.quant import dequantize_int8, fake_quantize_activation, quantize_int8
 
+from .random_draft import randomize_draft_
+
 requires_native = pytest.mark.skipif(
     not native.available("cpu"),
     reason=f"native extension not built ({native.describe('cpu')}); build with "
@@ -118,16 +120,7 @@ def make_draft(shape: Shape, seed: int = 0, rope_theta: float = 500.0, eps: floa
         draft_vocab_size=shape.draft_vocab, target_hidden_size=shape.target_hidden, rms_norm_eps=eps,
         rope_theta=rope_theta, aux_layer_ids=tuple(range(1, shape.num_aux + 1)),
     )
-    draft = Eagle3Draft(config, torch.randn(shape.vocab, shape.hidden, generator=gen))
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
-    target_ids = torch.randperm(shape.vocab, generator=gen)[: shape.draft_vocab].sort().values
-    draft.set_draft_vocab(target_ids)
-    return draft
+    return randomize_draft_(Eagle3Draft(config, torch.randn(shape.vocab, shape.hidden, generator=gen)), gen)
 
 
 def reference_params(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
