@@ -20,30 +20,49 @@ import torch
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def device_name(device: torch.device | str = "cpu") -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name and the SIMD extensions that decide which kernels run, from /proc/cpuinfo.
+
+    Read on every call: a result row must name the machine it was measured on, and sessions move
+    between Intel and AMD hosts.
+    """
+    model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
                     break
     except OSError:
         pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    isa = [name for name, flag in (("avx512", "avx512f"), ("vnni", "avx512_vnni"), ("bf16", "avx512_bf16"),
+                                   ("amx", "amx_tile"), ("avx2", "avx2")) if flag in flags]
+    return f"{model} [{' '.join(isa) or 'no avx2'}]"
+
+
+def device_name(device: torch.device | str = "cpu", threads: int | None = None) -> str:
+    """'NVIDIA H200' for CUDA; 'AMD EPYC [avx512 vnni bf16 avx2] (2 threads)' for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} ({threads or torch.get_num_threads()} threads)"
 
 
 def git_commit() -> str:
+    """Short HEAD, with '-dirty' when tracked files differ from it (results then are not HEAD's)."""
+    root = os.path.dirname(RESULTS_DIR)
     try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(RESULTS_DIR), text=True,
-            stderr=subprocess.DEVNULL,
-        ).strip()
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)bench/results"],
+                               cwd=root, stderr=subprocess.DEVNULL).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, device: str | torch.device = "cpu") -> float:
