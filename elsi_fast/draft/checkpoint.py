@@ -1,10 +1,16 @@
-"""EAGLE3 draft checkpoints: a directory with `config.json` and the weights.
+"""EAGLE3 draft checkpoints: a directory with `config.json` and the weights, in one of two formats.
+
+"eagle3" (SpecForge / EAGLE names: `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
+`d2t`, `t2d`) or "speculators" (`layers.0.*` for the decoder layer, `d2t` / `t2d` only when the
+draft vocabulary is smaller than the target's); the format is read from `config.json`
+(`speculators_model_type`), see `config.py`. Variant tensors: `input_norm.weight`
+(norm_before_fc), `fc_norm.{i}.weight`, `*.self_attn.{q,k}_norm.weight` (qk_norm).
 
 Weights: `model.safetensors`, a sharded `model.safetensors.index.json`, or `pytorch_model.bin`
 read with `torch.load(weights_only=True)` (a checkpoint never gets to unpickle arbitrary objects).
-Names are SpecForge / EAGLE's (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`,
-`t2d`); speculators' `layers.0.*` and a leading `model.` are accepted. The target's embedding is
-not part of a draft checkpoint; one that carries `embed_tokens.weight` anyway can supply it.
+The target's embedding `embed_tokens.weight` is written only on request (`include_embedding`):
+speculators otherwise fills it from the verifier named in the config, or leaves it uninitialized
+when it cannot; a checkpoint that carries it supplies it on load.
 """
 
 from __future__ import annotations
@@ -13,12 +19,12 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from .config import Eagle3Config
+from .config import FORMATS, Eagle3Config
 
 if TYPE_CHECKING:
     from .model import Eagle3Draft
@@ -28,15 +34,31 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 EMBED_NAME = "embed_tokens.weight"
+# Frozen copies of the target's final norm and lm_head that speculators keeps for its training loss;
+# they are not part of the draft's computation.
+_SPECULATORS_TRAINING_ONLY = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 
-def read_config(path: str | os.PathLike) -> Eagle3Config:
-    """The `Eagle3Config` of a checkpoint directory."""
+def read_config_dict(path: str | os.PathLike) -> dict:
+    """The raw `config.json` of a checkpoint directory."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in draft checkpoint directory {path}")
     with open(file) as f:
-        return Eagle3Config.from_dict(json.load(f))
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
+def detect_format(config: dict) -> str:
+    """"speculators" when the config names a `speculators_model_type`, else "eagle3"."""
+    return "speculators" if "speculators_model_type" in config else "eagle3"
+
+
+def read_config(path: str | os.PathLike, norm_output_meaning: str | None = None) -> Eagle3Config:
+    """The `Eagle3Config` of a checkpoint directory of either format (see `Eagle3Config.from_dict`)."""
+    return Eagle3Config.from_dict(read_config_dict(path), norm_output_meaning=norm_output_meaning)
 
 
 def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -66,6 +88,8 @@ def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
         )
     out: dict[str, Tensor] = {}
     for name, tensor in raw.items():
+        if name in _SPECULATORS_TRAINING_ONLY:
+            continue
         canonical = _canonical_name(name)
         if canonical in out:
             raise ValueError(f"checkpoint has tensor {canonical!r} twice (under two naming schemes)")
@@ -82,9 +106,10 @@ def _canonical_name(name: str) -> str:
 
 
 def load_checkpoint(cls: type["Eagle3Draft"], path: str | os.PathLike, embed_tokens: Tensor | nn.Embedding | None,
-                    dtype: torch.dtype | None, device: torch.device | str | None) -> "Eagle3Draft":
+                    dtype: torch.dtype | None, device: torch.device | str | None,
+                    norm_output_meaning: str | None = None) -> "Eagle3Draft":
     """Build `cls` from a checkpoint directory; every missing, unexpected or misshaped tensor is an error."""
-    config = read_config(path)
+    config = read_config(path, norm_output_meaning)
     tensors = read_tensors(path)
     stored_embed = tensors.pop(EMBED_NAME, None)
     with torch.device("meta"):
@@ -112,19 +137,87 @@ def load_checkpoint(cls: type["Eagle3Draft"], path: str | os.PathLike, embed_tok
     return model
 
 
-def save_checkpoint(model: "Eagle3Draft", path: str | os.PathLike) -> None:
-    """config.json + model.safetensors; the frozen target embedding is not written."""
+def save_checkpoint(model: "Eagle3Draft", path: str | os.PathLike, format: str = "eagle3", *,
+                    target_config: Any = None, include_embedding: bool | None = None,
+                    speculative_tokens: int = 3) -> None:
+    """config.json + model.safetensors in `format` ("eagle3" or "speculators").
+
+    target_config: the target's transformers config (or its dict); required for "speculators",
+    whose verifier block (name_or_path, architectures) it fills, and checked against the draft
+    (hidden size, vocabulary, layer ids within 0..N). include_embedding: also write the target's
+    embedding (the draft must have one attached); None means yes for "speculators" (speculators
+    0.9 fills a missing embedding from the verifier only when it is NaN, and transformers 5 can
+    leave it as uninitialized memory instead) and no for "eagle3" (engines share the target's).
+    """
     from safetensors.torch import save_file
 
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if include_embedding is None:
+        include_embedding = format == "speculators"
+    if not isinstance(include_embedding, bool):
+        raise TypeError(f"include_embedding must be a bool or None, got {include_embedding!r}")
+    config = model.config
+    target = _target_dict(target_config) if target_config is not None else None
+    if target is not None:
+        _check_target(config, target)
+    dtype = model.fc.weight.dtype
+    if format == "eagle3":
+        config_dict = config.to_dict("eagle3")
+        config_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        if target is None:
+            raise ValueError("format='speculators' needs target_config (the target's config): speculators names the "
+                             "verifier and reads its layer count from it")
+        verifier = {"name_or_path": target.get("_name_or_path") or target.get("name_or_path") or None,
+                    "architectures": target.get("architectures") or []}
+        config_dict = config.to_speculators_dict(verifier, speculative_tokens)
+        config_dict["dtype"] = str(dtype).removeprefix("torch.")
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    if format == "speculators":
+        state = {_speculators_name(name): t for name, t in state.items()
+                 if config.draft_vocab_size != config.vocab_size or name not in ("d2t", "t2d")}
+    if include_embedding:
+        if model.embed_tokens is None:
+            raise ValueError(f"format={format!r} with include_embedding writes the target's embedding, but the draft "
+                             f"has none attached: attach_embedding(target.get_input_embeddings().weight)"
+                             + (", or pass include_embedding=False and check that your speculators version "
+                                "loads it from the verifier" if format == "speculators" else ""))
+        state[EMBED_NAME] = model.embed_tokens.weight.detach().to(device="cpu", dtype=dtype).contiguous()
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     save_file(state, root / SAFETENSORS_FILE, metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["torch_dtype"] = str(model.fc.weight.dtype).removeprefix("torch.")
     with open(root / CONFIG_FILE, "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump(config_dict, f, indent=2)
         f.write("\n")
+
+
+def _speculators_name(name: str) -> str:
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def _target_dict(target_config: Any) -> dict:
+    data = target_config if isinstance(target_config, dict) else getattr(target_config, "to_dict", lambda: None)()
+    if not isinstance(data, dict):
+        raise TypeError(f"target_config must be a transformers config or a dict, got {type(target_config).__name__}")
+    data = dict(data.get("text_config") or data)  # multimodal targets keep the decoder's config there
+    name = getattr(target_config, "name_or_path", None)
+    if name and not data.get("_name_or_path"):
+        data["_name_or_path"] = name
+    return data
+
+
+def _check_target(config: Eagle3Config, target: dict) -> None:
+    problems = []
+    for ours, theirs in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        if theirs in target and getattr(config, ours) != target[theirs]:
+            problems.append(f"draft {ours}={getattr(config, ours)} but the target has {theirs}={target[theirs]}")
+    n = target.get("num_hidden_layers")
+    if n is not None and config.aux_layer_ids is not None and max(config.aux_layer_ids) > n:
+        problems.append(f"aux layer ids {list(config.aux_layer_ids)} exceed the target's N={n} blocks "
+                        f"(input-to-layer ids run 0..N)")
+    if problems:
+        raise ValueError("target_config does not fit the draft: " + "; ".join(problems))
 
 
 def _complete_vocab_maps(tensors: dict[str, Tensor], config: Eagle3Config) -> None:

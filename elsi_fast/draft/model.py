@@ -8,7 +8,13 @@ One step over pairs (h_t, token_{t+1}) at positions p:
     logits = lm_head(norm(h'')),   and h'' (pre-norm) is the next draft step's `h`
 
 where the first `h` of a sequence position is `fc(concat of the m target hidden states)`.
-This torch path is the reference the native fused decode (`elsi_fast.draft.native`) must match.
+The variants of `Eagle3Config` change this as follows: norm_before_residual: h' = hidden_norm(h)
++ o_proj(...); norm_before_fc: fc(input_norm(concat)); fc_norm: fc(concat(fc_norm_i(state_i)));
+norm_feedback: the next step's `h` is norm(h''); final_norm=False: logits = lm_head(h'');
+qk_norm: q and k pass a per-head RMSNorm before RoPE; sliding_window=w: position p attends
+positions > p - w only (training-time-test steps j >= 1 attend their own position as before).
+This torch path is the reference the native fused decode (`elsi_fast.draft.native`) must match;
+drafts with a variant run here (`Eagle3Config.native_unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
 
 class Eagle3MLP(nn.Module):
@@ -188,17 +197,27 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
     return out.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
 
 
-def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+def _allowed_mask(num_new: int, past: int, window: int | None, device: torch.device) -> Tensor:
+    """[num_new, past + num_new] bool: new position i (absolute past + i) may attend position j
+    when j <= past + i and, with a sliding window w, j > past + i - w."""
+    allowed = torch.ones(num_new, past + num_new, dtype=torch.bool, device=device).tril(diagonal=past)
+    if window is not None:
+        allowed &= ~torch.ones_like(allowed).tril(diagonal=past - window)
+    return allowed
+
+
+def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor], window: int | None = None) -> Tensor:
     """Training-time-test attention for step i = len(keys) - 1.
 
-    Query (step i, position t) attends step-0 keys at positions <= t and step-j keys (1 <= j <= i)
-    at position t only. q [B, H, T, hd]; keys[j], values[j] [B, KV, T, hd]. Returns [B, T, H * hd].
+    Query (step i, position t) attends step-0 keys at positions <= t (and > t - window with a
+    sliding window) and step-j keys (1 <= j <= i) at position t only. q [B, H, T, hd]; keys[j],
+    values[j] [B, KV, T, hd]. Returns [B, T, H * hd].
     """
     b, h, t, hd = q.shape
     kv = keys[0].shape[1]
     qg = q.reshape(b, kv, h // kv, t, hd)
     acc = _accumulate_dtype(q.dtype)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    causal = _allowed_mask(t, 0, window, q.device)
     dense = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)).to(acc).masked_fill(~causal, float("-inf"))
     diagonal = [(qg * k.unsqueeze(2)).sum(-1, keepdim=True).to(acc) for k in keys[1:]]
     probs = torch.softmax(torch.cat([dense, *diagonal], dim=-1) / math.sqrt(hd), dim=-1).to(values[0].dtype)
@@ -235,6 +254,11 @@ class Eagle3Draft(nn.Module):
             raise TypeError(f"config must be an Eagle3Config, got {type(config).__name__}")
         self.config = config
         d = config.hidden_size
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(config.fc_in_features, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in range(config.num_aux_layers))
         self.fc = nn.Linear(config.fc_in_features, d, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -295,8 +319,14 @@ class Eagle3Draft(nn.Module):
     # ----------------------------------------------------------------------------- forward paths
     def project(self, aux_hidden: Tensor) -> Tensor:
         """fc: `[B, T, m * target_hidden_size]` concatenated target states -> `[B, T, hidden_size]`."""
-        self._check_float(aux_hidden, "aux_hidden", self.config.fc_in_features,
-                          f"m * target_hidden_size = {self.config.num_aux_layers} * {self.config.target_hidden_size}")
+        config = self.config
+        self._check_float(aux_hidden, "aux_hidden", config.fc_in_features,
+                          f"m * target_hidden_size = {config.num_aux_layers} * {config.target_hidden_size}")
+        if config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if config.fc_norm:
+            states = aux_hidden.split(config.target_hidden_size, dim=-1)
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, states)], dim=-1)
         return self.fc(aux_hidden)
 
     def forward(self, hidden: Tensor, input_ids: Tensor, cache: DraftKVCache | None = None,
@@ -307,7 +337,8 @@ class Eagle3Draft(nn.Module):
         paired with each (token_{t+1}). Attends causally within the T positions and to everything in
         `cache`, then appends to it. Positions default to `cache.length + arange(T)` (0.. without a
         cache); `position_ids` [T] or [B, T] overrides the RoPE positions only (the mask is always
-        causal by cache index). Returns (logits [B, T, draft_vocab], hidden_out [B, T, d], pre-norm).
+        causal by cache index). Returns (logits [B, T, draft_vocab], hidden_out [B, T, d]: the next
+        step's `h`, pre-norm unless `config.norm_feedback`).
         """
         self._check_float(hidden, "hidden", self.config.hidden_size, "hidden_size")
         self._check_ids(input_ids, hidden, "input_ids")
@@ -324,12 +355,9 @@ class Eagle3Draft(nn.Module):
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if cache is not None:
                 k, v = cache.append(k, v)
-            # new position i (absolute past + i) sees cached positions and new ones up to itself
-            allowed = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
-            return _attend(q, k, v, allowed)
+            return _attend(q, k, v, _allowed_mask(t, past, self.config.sliding_window, q.device))
 
-        hidden_out = self._layer(hidden, input_ids, position_ids, attend)
-        return self.lm_head(self.norm(hidden_out)), hidden_out
+        return self._head(self._layer(hidden, input_ids, position_ids, attend))
 
     def extend(self, aux_hidden: Tensor, input_ids: Tensor,
                cache: DraftKVCache | None = None) -> tuple[Tensor, Tensor]:
@@ -363,6 +391,18 @@ class Eagle3Draft(nn.Module):
         draft_ids = logits[:, -1].topk(top_k, dim=-1).indices
         return self.draft_to_target(draft_ids), hidden_out
 
+    def decode_backend(self, device: torch.device | str | None = None) -> str:
+        """The path `decode_step` takes on `device` (default: the weights' device), with the reason
+        when it is the torch path, e.g. "torch eager (variant sliding_window=8: ...)"."""
+        device = self.fc.weight.device if device is None else torch.device(device)
+        if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
+            return f"torch eager ({DISABLE_NATIVE_ENV}=1)"
+        native = _native_module()
+        if native is None:
+            return "torch eager (native extension not importable)"
+        reason = self.config.native_unsupported_reason()
+        return native.describe(device) if reason is None else f"torch eager ({reason})"
+
     def ttt_forward(self, aux_hidden: Tensor, next_ids: Tensor, num_steps: int) -> list[Tensor]:
         """EAGLE3 training-time test over a whole sequence, no cache.
 
@@ -386,15 +426,15 @@ class Eagle3Draft(nn.Module):
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             keys.append(k)
             values.append(v)
-            return _ttt_attend(q, keys, values)
+            return _ttt_attend(q, keys, values, self.config.sliding_window)
 
         logits = []
         ids = next_ids
         for step in range(num_steps):
             if step:
                 ids = F.pad(next_ids[:, step:], (0, step), value=0)
-            hidden = self._layer(hidden, ids, positions + step, attend)
-            logits.append(self.lm_head(self.norm(hidden)))
+            step_logits, hidden = self._head(self._layer(hidden, ids, positions + step, attend))
+            logits.append(step_logits)
         return logits
 
     def draft_to_target(self, ids: Tensor) -> Tensor:
@@ -402,6 +442,13 @@ class Eagle3Draft(nn.Module):
         return ids + self.d2t[ids]
 
     # ----------------------------------------------------------------------------- internals
+    def _head(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits, the next step's `h`) from the layer output h''."""
+        config = self.config
+        normed = self.norm(hidden) if config.final_norm or config.norm_feedback else hidden
+        logits = self.lm_head(normed if config.final_norm else hidden)
+        return logits, normed if config.norm_feedback else hidden
+
     def _layer(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor,
                attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
         """The decoder layer; `attend(q, k, v)` (RoPE applied, [B, heads, T, hd]) -> [B, T, H * hd]."""
@@ -414,10 +461,15 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         attn = layer.self_attn
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+        residual = normed if self.config.norm_before_residual else hidden
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if self.config.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         acc = _accumulate_dtype(hidden.dtype)
         angles = position_ids.to(acc).unsqueeze(-1) * self.rope_inv_freq(hidden.device, acc)
@@ -425,7 +477,7 @@ class Eagle3Draft(nn.Module):
         if angles.dim() == 2:
             angles = angles.unsqueeze(0)
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        h = hidden + attn.o_proj(attend(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v))
+        h = residual + attn.o_proj(attend(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _check_float(self, x: Tensor, name: str, width: int, what: str) -> None:
@@ -463,16 +515,31 @@ class Eagle3Draft(nn.Module):
     # ----------------------------------------------------------------------------- checkpoints
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, embed_tokens: Tensor | nn.Embedding | None = None,
-                        dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "Eagle3Draft":
-        """Load an EAGLE3 checkpoint directory (config.json + model.safetensors, sharded safetensors, or
-        pytorch_model.bin read with weights_only=True). Weights keep the checkpoint dtype unless `dtype`
-        is given. The target embedding comes from `embed_tokens`, else from the checkpoint if it has one."""
+                        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                        norm_output_meaning: str | None = None) -> "Eagle3Draft":
+        """Load a checkpoint directory in either format ("eagle3" or "speculators", detected from
+        config.json; config.json + model.safetensors, sharded safetensors, or pytorch_model.bin read
+        with weights_only=True). Weights keep the checkpoint dtype unless `dtype` is given. The target
+        embedding comes from `embed_tokens`, else from the checkpoint if it has one.
+        `norm_output_meaning` ("vllm", "sglang" or "specforge") is needed only for an eagle3 config
+        with a `norm_output` field, whose meaning differs between engines."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(cls, path, embed_tokens=embed_tokens, dtype=dtype, device=device)
+        return load_checkpoint(cls, path, embed_tokens=embed_tokens, dtype=dtype, device=device,
+                               norm_output_meaning=norm_output_meaning)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json and model.safetensors (EAGLE3 names; the embedding is not saved)."""
+    def save_pretrained(self, path: str | os.PathLike, format: str = "eagle3", *, target_config=None,
+                        include_embedding: bool | None = None, speculative_tokens: int = 3) -> None:
+        """Write config.json and model.safetensors.
+
+        format="eagle3": what vLLM, SGLang and SpecForge read (layer ids in both conventions and
+        `num_aux_hidden_states`); format="speculators": what `speculators.SpeculatorModel.from_pretrained`
+        and vLLM's speculators path read; it needs `target_config` (the target's transformers config)
+        for its verifier block. `include_embedding` writes the target's embedding too; by default
+        for "speculators" only (speculators 0.9 does not reliably fill it from the verifier).
+        `speculative_tokens` is the proposal length a speculators config advertises.
+        """
         from .checkpoint import save_checkpoint
 
-        save_checkpoint(self, path)
+        save_checkpoint(self, path, format, target_config=target_config, include_embedding=include_embedding,
+                        speculative_tokens=speculative_tokens)

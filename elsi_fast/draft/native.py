@@ -138,6 +138,8 @@ def _check_embedding(draft: "Eagle3Draft", device: torch.device) -> Tensor:
 def _kernel_takes(draft: "Eagle3Draft", dtype: torch.dtype, device: torch.device, cache: "DraftKVCache",
                   top_k: int) -> bool:
     """Whether the fused op accepts this module's weights, embedding and cache as they are."""
+    if draft.config.native_unsupported_reason() is not None:
+        return False
     embed = draft.embed_tokens.weight if draft.embed_tokens is not None else None
     if device.type == "cuda":
         return dtype == torch.bfloat16 and cache.key.dtype == dtype and top_k <= MAX_CUDA_TOP_K and (
@@ -205,6 +207,9 @@ class NativeDraftDecoder:
         missing = [name for name in MATRIX_NAMES + NORM_NAMES if name not in params]
         if missing:
             raise ValueError(f"draft lacks the parameters {missing}; expected an Eagle3Draft")
+        reason = draft.config.native_unsupported_reason()
+        if reason is not None:
+            raise ValueError(f"NativeDraftDecoder cannot run this draft: {reason}")
         device = params[MATRIX_NAMES[0]].device
         _require_native(device)
         if device.type == "cuda" and weight_dtype != "bf16":

@@ -15,7 +15,7 @@ def randomize_draft_(draft: Eagle3Draft, gen: torch.Generator) -> Eagle3Draft:
     cfg = draft.config
     with torch.no_grad():
         for name, param in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if param.dim() == 1:  # every RMSNorm weight, variants' included
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))

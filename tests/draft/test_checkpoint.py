@@ -175,10 +175,12 @@ def test_speculators_names_and_config_load(tmp_path):
     assert loaded.config == draft.config
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
+    # speculators' default training flag is read as the variant it is, never as the plain layer
     speculators_config["norm_before_residual"] = True
     write_checkpoint(tmp_path / "spec", speculators_config, renamed)
-    with pytest.raises(ValueError, match="norm_before_residual"):
-        Eagle3Draft.from_pretrained(tmp_path / "spec")
+    variant = Eagle3Draft.from_pretrained(tmp_path / "spec")
+    assert variant.config.norm_before_residual
+    assert not torch.allclose(run(variant)[0], run(draft)[0])
 
 
 class NotATensor:
@@ -232,6 +234,7 @@ def test_fc_width_must_be_m_times_target_hidden(saved):
     config = dict(saved[2])
     config["eagle_aux_hidden_state_layer_ids"] = [2, 5, 8]
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}
+    config["num_aux_hidden_states"] = 3
     with pytest.raises(ValueError, match=r"input width 24 .* 3 \* 12 = 36 \(the weights fit m = 2"):
         Eagle3Draft.from_pretrained(rewrite(saved, config=config))
 
@@ -292,3 +295,205 @@ def test_transformers5_rope_parameters_are_read():
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == scaling
     assert Eagle3Config.from_dict(cfg.to_dict()) == cfg
     assert Eagle3Config.from_dict(base).rope_theta == 10000.0  # absent theta means 10000
+
+
+# ----------------------------------------------------------------------------------------------
+# Formats: "eagle3" that every engine's fallback reads alike, "speculators" that speculators loads
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_target_config(num_layers=9, hidden=16, vocab=50, name="org/tiny-target"):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=num_layers, vocab_size=vocab)
+    config.architectures = ["LlamaForCausalLM"]
+    config._name_or_path = name
+    return config
+
+
+def square_draft(m=3, seed=0, **variants):
+    """A draft whose target_hidden_size equals hidden_size, as speculators requires."""
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, draft_vocab_size=20, rope_theta=1e6, aux_layer_ids=tuple(range(2, 2 + 3 * m, 3)),
+                       **variants)
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    draft = Eagle3Draft(cfg, embed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.dim() == 1:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
+    draft.set_draft_vocab(torch.randperm(cfg.vocab_size, generator=gen)[: cfg.draft_vocab_size].sort().values)
+    return draft, embed
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_eagle3_config_gives_every_engine_fallback_the_same_m(tmp_path, m):
+    draft, _ = small_draft(m)
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    ids = list(draft.config.aux_layer_ids)
+    # vLLM 0.32 fc width: num_aux_hidden_states, else len(eagle_config ids), else 3
+    assert config["num_aux_hidden_states"] == m == len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    # vLLM's capture ids: the top-level key; its fallback key eagle_config.layer_ids is never written
+    assert config["eagle_aux_hidden_state_layer_ids"] == ids and "layer_ids" not in config["eagle_config"]
+    # SGLang / SpecForge capture ids: output-of-layer
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ids]
+    assert "norm_output" not in config  # read differently by vLLM / SGLang and SpecForge
+    config["num_aux_hidden_states"] = m + 1
+    with pytest.raises(ValueError, match="num_aux_hidden_states"):
+        Eagle3Config.from_dict(config)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_speculators_format_round_trip_and_layout(tmp_path, m):
+    draft, embed = square_draft(m)
+    target = tiny_target_config()
+    draft.save_pretrained(tmp_path, format="speculators", target_config=target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(draft.config.aux_layer_ids)
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "org/tiny-target",
+                                                        "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["algorithm"] == "eagle3"
+    # every switch explicit: vLLM reads a missing norm_before_residual of a speculators config as true
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert config[flag] is False
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 50
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    assert {"d2t", "t2d"} <= names and "embed_tokens.weight" not in names
+    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    assert loaded.config == draft.config
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+
+
+def test_speculators_format_can_carry_the_embedding(tmp_path):
+    draft, embed = square_draft(m=1)
+    draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(), include_embedding=True)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["embed_tokens.weight"], embed)
+    loaded = Eagle3Draft.from_pretrained(tmp_path)  # no embed_tokens argument needed
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no embedding attached"):
+        Eagle3Draft(draft.config).save_pretrained(tmp_path, include_embedding=True)
+
+
+def test_full_vocab_speculators_checkpoint_has_no_vocab_maps(tmp_path):
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=50, aux_layer_ids=(3,))
+    Eagle3Draft(cfg).save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config())
+    # speculators 0.9 has no d2t / t2d buffers when the draft vocab is the target's
+    assert not {"d2t", "t2d"} & set(load_file(tmp_path / "model.safetensors"))
+    assert Eagle3Draft.from_pretrained(tmp_path).config == cfg
+
+
+@pytest.mark.parametrize("variants", [
+    dict(norm_before_residual=True, norm_before_fc=True, norm_feedback=True, sliding_window=4),
+    dict(fc_norm=True, qk_norm=True),
+])
+def test_speculators_format_round_trips_variants(tmp_path, variants):
+    draft, embed = square_draft(m=3, **variants)
+    draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["norm_output"] is variants.get("norm_feedback", False)
+    if "sliding_window" in variants:
+        assert config["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
+        assert config["transformer_layer_config"]["sliding_window"] == 4
+    if variants.get("qk_norm"):
+        assert config["transformer_layer_config"]["model_type"] == "qwen3"
+        assert "layers.0.self_attn.q_norm.weight" in load_file(tmp_path / "model.safetensors")
+    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    assert loaded.config == draft.config
+    for a, b in zip(run(draft), run(loaded)):
+        assert torch.equal(a, b)
+
+
+def test_format_errors_name_the_problem(tmp_path):
+    draft, _ = square_draft(m=3)
+    with pytest.raises(ValueError, match="format must be one of"):
+        draft.save_pretrained(tmp_path, format="gguf")
+    with pytest.raises(ValueError, match="needs target_config"):
+        draft.save_pretrained(tmp_path, format="speculators")
+    with pytest.raises(ValueError, match=r"exceed the target's N=5 blocks"):
+        draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(num_layers=5))
+    with pytest.raises(ValueError, match="target has hidden_size=32"):
+        draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(hidden=32))
+    narrow, _ = small_draft(m=1)  # target_hidden_size 12 != hidden_size 16
+    with pytest.raises(ValueError, match="target_hidden_size == hidden_size"):
+        narrow.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(hidden=12))
+    with pytest.raises(ValueError, match=r"format='eagle3' cannot state the variant \['norm_feedback'\]"):
+        square_draft(m=1, norm_feedback=True)[0].save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="final_norm=False"):
+        square_draft(m=1, final_norm=False)[0].save_pretrained(tmp_path, format="speculators",
+                                                               target_config=tiny_target_config())
+
+
+def speculators_dict(**overrides):
+    draft, _ = square_draft(m=3)
+    config = draft.config.to_speculators_dict({"name_or_path": None, "architectures": []})
+    layer_overrides = overrides.pop("layer", {})
+    config["transformer_layer_config"].update(layer_overrides)
+    config.update(overrides)
+    return config
+
+
+def test_speculators_switches_are_read_with_their_meaning():
+    cfg = Eagle3Config.from_dict(speculators_dict(norm_before_residual=True, norm_before_fc=True, norm_output=True))
+    assert (cfg.norm_before_residual, cfg.norm_before_fc, cfg.norm_feedback, cfg.final_norm) == (True, True, True, True)
+    assert Eagle3Config.from_dict(speculators_dict(fc_norm=True)).fc_norm
+    cfg = Eagle3Config.from_dict(speculators_dict(layer={"layer_types": ["sliding_attention"], "sliding_window": 7}))
+    assert cfg.sliding_window == 7
+    assert Eagle3Config.from_dict(speculators_dict(layer={"layer_types": ["full_attention"],
+                                                          "sliding_window": 7})).sliding_window is None
+    assert Eagle3Config.from_dict(speculators_dict(layer={"model_type": "qwen3"})).qk_norm
+
+
+def test_eagle3_norm_output_needs_its_meaning():
+    config = small_draft(m=3)[0].config.to_dict()
+    for value in (True, False):
+        with pytest.raises(ValueError, match=f"norm_output={str(value).lower()} has two meanings"):
+            Eagle3Config.from_dict({**config, "norm_output": value})
+    specforge = Eagle3Config.from_dict({**config, "norm_output": False}, norm_output_meaning="specforge")
+    assert specforge.final_norm is False and specforge.norm_feedback is False
+    assert Eagle3Config.from_dict({**config, "norm_output": True}, norm_output_meaning="specforge").variants == {}
+    vllm = Eagle3Config.from_dict({**config, "norm_output": True}, norm_output_meaning="sglang")
+    assert vllm.norm_feedback is True and vllm.final_norm is True
+    with pytest.raises(ValueError, match="norm_output_meaning must be one of"):
+        Eagle3Config.from_dict({**config, "norm_output": True}, norm_output_meaning="trtllm")
+
+
+@pytest.mark.parametrize("layer,match", [
+    ({"logit_scale": 2.0}, "logit_scale=2.0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": None}, "needs a positive sliding_window"),
+    ({"layer_types": ["full_attention", "full_attention"]}, "layer_types"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+])
+def test_unimplemented_math_is_refused_by_name(layer, match):
+    with pytest.raises(ValueError, match=match):
+        Eagle3Config.from_dict(speculators_dict(layer=layer))
+    if "model_type" not in layer:  # the same field in an eagle3 config
+        with pytest.raises(ValueError, match=match):
+            Eagle3Config.from_dict({**small_draft(m=3)[0].config.to_dict(), **layer})
+
+
+def test_speculators_layer_config_is_a_diff_against_its_model_type_defaults():
+    """speculators writes transformer_layer_config with to_diff_dict(): absent fields take the
+    layer class's defaults (Qwen3: head_dim 128), not Llama's or elsi-fast's."""
+    config = speculators_dict(layer={"model_type": "qwen3", "num_attention_heads": 2, "num_key_value_heads": 1})
+    del config["transformer_layer_config"]["head_dim"]
+    assert Eagle3Config.from_dict(config).head_dim == 128
+    config["transformer_layer_config"]["model_type"] = "llama"
+    assert Eagle3Config.from_dict(config).head_dim == 8

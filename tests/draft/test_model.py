@@ -43,7 +43,19 @@ class Reference:
         self.embed = embed.to(torch.float64)
 
     def project(self, aux):
-        return aux.to(torch.float64) @ self.p["fc.weight"].T
+        """aux [..., m * d_t] -> fc input after the optional norms, one position at a time."""
+        c, p = self.cfg, self.p
+        rows = aux.to(torch.float64).reshape(-1, aux.shape[-1])
+        out = []
+        for row in rows:
+            if c.norm_before_fc:
+                row = ref_rmsnorm(row, p["input_norm.weight"], c.rms_norm_eps)
+            if c.fc_norm:
+                d_t = c.target_hidden_size
+                row = torch.cat([ref_rmsnorm(row[i * d_t:(i + 1) * d_t], p[f"fc_norm.{i}.weight"], c.rms_norm_eps)
+                                 for i in range(c.num_aux_layers)])
+            out.append(p["fc.weight"] @ row)
+        return torch.stack(out).reshape(*aux.shape[:-1], -1)
 
     def qkv(self, hidden, token, position):
         c, p = self.cfg, self.p
@@ -52,9 +64,19 @@ class Reference:
         q = (p["midlayer.self_attn.q_proj.weight"] @ x).view(c.num_attention_heads, c.head_dim)
         k = (p["midlayer.self_attn.k_proj.weight"] @ x).view(c.num_key_value_heads, c.head_dim)
         v = (p["midlayer.self_attn.v_proj.weight"] @ x).view(c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:  # Qwen3: each head's q and k normalized before RoPE
+            q = torch.stack([ref_rmsnorm(q[h], p["midlayer.self_attn.q_norm.weight"], c.rms_norm_eps)
+                             for h in range(c.num_attention_heads)])
+            k = torch.stack([ref_rmsnorm(k[h], p["midlayer.self_attn.k_norm.weight"], c.rms_norm_eps)
+                             for h in range(c.num_key_value_heads)])
         q = torch.stack([ref_rope(q[h], position, c.rope_theta) for h in range(c.num_attention_heads)])
         k = torch.stack([ref_rope(k[h], position, c.rope_theta) for h in range(c.num_key_value_heads)])
         return q, k, v
+
+    def window(self, t):
+        """Positions that position t attends among step-0 entries (all of 0..t without a window)."""
+        w = self.cfg.sliding_window
+        return range(0 if w is None else max(0, t - w + 1), t + 1)
 
     def finish(self, hidden, q, keys, values):
         """Attention of one query over the given key/value entries, then o_proj, MLP, norm, lm_head."""
@@ -68,19 +90,22 @@ class Reference:
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
             heads.append(sum(w / total * v[kv] for w, v in zip(weights, values)))
-        h1 = hidden + p["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
+        residual = ref_rmsnorm(hidden, p["midlayer.hidden_norm.weight"], c.rms_norm_eps) \
+            if c.norm_before_residual else hidden
+        h1 = residual + p["midlayer.self_attn.o_proj.weight"] @ torch.cat(heads)
         post = ref_rmsnorm(h1, p["midlayer.post_attention_layernorm.weight"], c.rms_norm_eps)
         gate, up = p["midlayer.mlp.gate_proj.weight"] @ post, p["midlayer.mlp.up_proj.weight"] @ post
         h2 = h1 + p["midlayer.mlp.down_proj.weight"] @ (gate / (1 + torch.exp(-gate)) * up)
-        logits = p["lm_head.weight"] @ ref_rmsnorm(h2, p["norm.weight"], c.rms_norm_eps)
-        return logits, h2
+        normed = ref_rmsnorm(h2, p["norm.weight"], c.rms_norm_eps)
+        logits = p["lm_head.weight"] @ (normed if c.final_norm else h2)
+        return logits, normed if c.norm_feedback else h2
 
     def causal(self, hidden, tokens):
         """hidden [T, d] float64, tokens [T]: every position t attends positions <= t."""
         hidden = hidden.detach()
         entries = [self.qkv(hidden[t], int(tokens[t]), t) for t in range(len(tokens))]
-        outs = [self.finish(hidden[t], entries[t][0], [e[1] for e in entries[: t + 1]],
-                            [e[2] for e in entries[: t + 1]]) for t in range(len(tokens))]
+        outs = [self.finish(hidden[t], entries[t][0], [entries[s][1] for s in self.window(t)],
+                            [entries[s][2] for s in self.window(t)]) for t in range(len(tokens))]
         return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
 
     def ttt(self, hidden0, next_ids, num_steps):
@@ -97,7 +122,7 @@ class Reference:
                 qs[t], entries[(step, t)] = q, (k, v)
             logits, outs = [], []
             for t in range(seq):
-                allowed = [(0, s) for s in range(t + 1)] + [(j, t) for j in range(1, step + 1)]
+                allowed = [(0, s) for s in self.window(t)] + [(j, t) for j in range(1, step + 1)]
                 lo, h = self.finish(hidden[t], qs[t], [entries[e][0] for e in allowed],
                                     [entries[e][1] for e in allowed])
                 logits.append(lo)
@@ -110,10 +135,11 @@ class Reference:
 # ----------------------------------------------------------------------------------------------
 
 
-def make_config(m=2, d=24, heads=4, kv=2, head_dim=None, inter=40, vocab=61, draft_vocab=29, theta=10000.0):
+def make_config(m=2, d=24, heads=4, kv=2, head_dim=None, inter=40, vocab=61, draft_vocab=29, theta=10000.0,
+                **variants):
     return Eagle3Config(hidden_size=d, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
                         head_dim=head_dim, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=d + 4,
-                        rope_theta=theta, rms_norm_eps=1e-5, aux_layer_ids=tuple(range(1, 2 * m, 2)))
+                        rope_theta=theta, rms_norm_eps=1e-5, aux_layer_ids=tuple(range(1, 2 * m, 2)), **variants)
 
 
 def make_draft(cfg, dtype=torch.float64, seed=0):
@@ -388,3 +414,94 @@ def test_ttt_gradients_reach_every_trainable_weight_but_not_the_embedding():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
     assert not draft.embed_tokens.weight.requires_grad
     assert "embed_tokens.weight" not in draft.state_dict()
+
+
+# ----------------------------------------------------------------------------------------------
+# Architecture variants (speculators, SpecForge, Qwen3 layers, sliding-window attention)
+# ----------------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "norm_before_residual": dict(norm_before_residual=True),
+    "norm_before_fc": dict(norm_before_fc=True),
+    "fc_norm": dict(fc_norm=True),
+    "norm_feedback": dict(norm_feedback=True),
+    "no_final_norm": dict(final_norm=False),
+    "qk_norm": dict(qk_norm=True),
+    "sliding_window": dict(sliding_window=3),
+    # speculators' training defaults together, on a window shorter than the sequence
+    "speculators_defaults": dict(norm_before_residual=True, norm_before_fc=True, norm_feedback=True,
+                                 sliding_window=2),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_reference_and_changes_the_math(name):
+    cfg = make_config(m=3, **VARIANTS[name])
+    draft, embed = make_draft(cfg)
+    ref = Reference(draft, embed)
+    aux, ids = random_inputs(cfg, 1, 6)
+    projected = draft.project(aux)
+    torch.testing.assert_close(projected[0], ref.project(aux[0]), rtol=1e-10, atol=1e-10)
+
+    logits, hidden = draft.forward(projected, ids)
+    ref_logits, ref_hidden = ref.causal(projected[0], ids[0])
+    torch.testing.assert_close(logits[0], ref_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(hidden[0], ref_hidden, rtol=1e-10, atol=1e-10)
+
+    steps = draft.ttt_forward(aux, ids, num_steps=3)
+    for got, want in zip(steps, ref.ttt(projected[0], ids[0], 3)):
+        torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
+
+    # The same weights read as the plain layer compute something else (so the variant is not a no-op).
+    plain = Eagle3Draft(make_config(m=3), embed).double()
+    plain_keys = set(plain.state_dict())
+    plain.load_state_dict({k: v for k, v in draft.state_dict().items() if k in plain_keys})
+    with torch.no_grad():
+        plain_steps = plain.ttt_forward(aux, ids, num_steps=3)
+        assert max(float((a - b).abs().max()) for a, b in zip(steps, plain_steps)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["norm_feedback", "speculators_defaults", "qk_norm"])
+def test_variant_decode_bypasses_native_op_and_matches_torch(name, monkeypatch):
+    """fp32 weights, which the native op would take: a variant draft must still decode on the torch
+    path (the op implements the plain layer) and say so."""
+    monkeypatch.delenv("ELSI_FAST_DISABLE_NATIVE", raising=False)
+    cfg = make_config(m=2, **VARIANTS[name])
+    draft, _ = make_draft(cfg, dtype=torch.float32)
+    assert draft.decode_backend("cpu").startswith("torch eager (variant ")
+    aux, ids = random_inputs(cfg, 1, 4, dtype=torch.float32)
+    cache_a, cache_b = draft.new_cache(4), draft.new_cache(4)
+    got_a, h_a = draft.decode_step(aux[:, :1], ids[:, :1], cache_a, from_target=True, top_k=3)
+    got_b, h_b = draft.decode_step(aux[:, :1], ids[:, :1], cache_b, from_target=True, top_k=3, use_native=False)
+    for _ in range(2):
+        got_a, h_a = draft.decode_step(h_a, ids[:, 1:2], cache_a, from_target=False, top_k=3)
+        got_b, h_b = draft.decode_step(h_b, ids[:, 1:2], cache_b, from_target=False, top_k=3, use_native=False)
+        assert got_a.tolist() == got_b.tolist()
+        torch.testing.assert_close(h_a, h_b, rtol=0, atol=0)
+    assert make_config(m=2).native_unsupported_reason() is None
+
+
+def test_norm_feedback_ttt_step_equals_inference_chain():
+    """With norm_feedback the inference chain feeds hidden_out (now norm(h'')) back, as the
+    training-time test does."""
+    cfg = make_config(m=2, norm_feedback=True)
+    draft, _ = make_draft(cfg)
+    aux, ids = random_inputs(cfg, 1, 5)
+    ttt = draft.ttt_forward(aux, ids, 3)
+    cache = draft.new_cache(8)
+    for t in range(3):
+        logits, hidden = draft.extend(aux[:, t:t + 1], ids[:, t:t + 1], cache)
+        for step in range(1, 3):
+            logits, hidden = draft.forward(hidden, ids[:, t + step:t + step + 1], cache)
+            torch.testing.assert_close(logits[0, 0], ttt[step][0, t], rtol=1e-12, atol=1e-12)
+        cache.truncate(t + 1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(norm_before_fc=True, fc_norm=True), "exclusive"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(norm_feedback=1), "norm_feedback must be a bool"),
+])
+def test_config_rejects_bad_variants(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make_config(m=1, **kwargs)
