@@ -22,6 +22,18 @@ speculators 0.9.0, SGLang 0.5.23 and SpecForge 0.2.0 (TensorRT-LLM was not check
 * SpecForge 0.2: capture ids from `eagle_config.eagle_aux_hidden_state_layer_ids`
   (output-of-layer, through SGLang's capture), exactly three, and its draft's fc is 3 x
   target_hidden_size: m = 3 only.
+
+Architecture switches (`Eagle3Config` variants) each engine's EAGLE3 draft implements; a draft
+with a switch its engine lacks is computed as the plain layer there:
+* vLLM 0.32: norm_before_residual, norm_before_fc (top level or eagle_config), fc_norm,
+  norm_output (= feed norm(h'') back), logit_scale, layer_types / sliding_window; a speculators
+  config's switches are mapped onto these.
+* speculators 0.9: norm_before_residual, norm_before_fc, fc_norm, norm_output (feed back),
+  layer_types / sliding_window, Qwen3 layers (q/k norms).
+* SGLang 0.5.23: norm_before_fc, fc_norm (or use_aux_norm), norm_output (feed back); not
+  norm_before_residual; a draft window only from its server flag.
+* SpecForge 0.2: fc_norm, norm_output (false = no final norm before lm_head); not
+  norm_before_residual or norm_before_fc.
 """
 
 from __future__ import annotations

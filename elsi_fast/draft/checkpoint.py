@@ -51,11 +51,6 @@ def read_config_dict(path: str | os.PathLike) -> dict:
     return data
 
 
-def detect_format(config: dict) -> str:
-    """"speculators" when the config names a `speculators_model_type`, else "eagle3"."""
-    return "speculators" if "speculators_model_type" in config else "eagle3"
-
-
 def read_config(path: str | os.PathLike, norm_output_meaning: str | None = None) -> Eagle3Config:
     """The `Eagle3Config` of a checkpoint directory of either format (see `Eagle3Config.from_dict`)."""
     return Eagle3Config.from_dict(read_config_dict(path), norm_output_meaning=norm_output_meaning)
@@ -163,7 +158,7 @@ def save_checkpoint(model: "Eagle3Draft", path: str | os.PathLike, format: str =
         _check_target(config, target)
     dtype = model.fc.weight.dtype
     if format == "eagle3":
-        config_dict = config.to_dict("eagle3")
+        config_dict = config.to_dict()
         config_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
     else:
         if target is None:

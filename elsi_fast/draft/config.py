@@ -176,17 +176,11 @@ class Eagle3Config:
             out["sliding_window"] = self.sliding_window
         return out
 
-    def to_dict(self, format: str = "eagle3") -> dict[str, Any]:
-        """The `config.json` contents in `format` ("eagle3" or "speculators"; see the module docstring).
-
-        The speculators format gets its verifier block from `speculators_config_dict`, which
-        `save_pretrained` calls; here it is written without one. Raises ValueError for a variant
-        that the format cannot state so that every engine reading it computes the same draft.
+    def to_dict(self) -> dict[str, Any]:
+        """The "eagle3" `config.json` contents (see the module docstring; `to_speculators_dict` for
+        the other format). Raises ValueError for a variant that this format cannot state so that
+        every engine reading it computes the same draft.
         """
-        if format == "speculators":
-            return self.to_speculators_dict(verifier={"name_or_path": None, "architectures": []})
-        if format != "eagle3":
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         unstated = [name for name in ("norm_feedback", "final_norm", "qk_norm") if name in self.variants]
         if unstated:
             raise ValueError(
@@ -231,7 +225,10 @@ class Eagle3Config:
                              "would otherwise substitute its default [2, N//2, N-3]")
         if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
             raise ValueError(f"speculative_tokens must be a positive int, got {speculative_tokens!r}")
-        layer = {"model_type": "qwen3" if self.qk_norm else "llama", **self._layer_fields()}
+        # vLLM 0.32 builds its draft config from transformer_layer_config plus the switches, and sizes
+        # fc from num_aux_hidden_states there (else 3): without it an m != 3 draft does not load.
+        layer = {"model_type": "qwen3" if self.qk_norm else "llama", **self._layer_fields(),
+                 "num_aux_hidden_states": self.num_aux_layers}
         return {
             "architectures": [SPECULATORS_ARCHITECTURE],
             "speculators_model_type": "eagle3",
@@ -299,8 +296,9 @@ class Eagle3Config:
             if key not in layer:
                 raise ValueError(f"draft config lacks required field {key!r}")
         _refuse_unimplemented(layer)
-        if "num_aux_hidden_states" in data:
-            _check_num_aux(data)
+        for holder in (data, layer):
+            if "num_aux_hidden_states" in holder:
+                _check_num_aux(data, holder["num_aux_hidden_states"])
         rope_theta, rope_scaling = _read_rope(layer)
         return cls(
             hidden_size=layer["hidden_size"],
@@ -377,9 +375,8 @@ def _refuse_unimplemented(layer: dict[str, Any]) -> None:
                              f"{name}={plain[0]!r}); loading it would compute a different draft")
 
 
-def _check_num_aux(data: dict[str, Any]) -> None:
+def _check_num_aux(data: dict[str, Any], m: Any) -> None:
     ids = _read_layer_ids(data)
-    m = data["num_aux_hidden_states"]
     if ids is not None and m != len(ids):
         raise ValueError(f"config num_aux_hidden_states={m} disagrees with the {len(ids)} aux layer ids {list(ids)}")
 

@@ -364,30 +364,46 @@ def test_speculators_format_round_trip_and_layout(tmp_path, m):
         assert config[flag] is False
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 50
+    # vLLM 0.32's speculators path: the draft config is transformer_layer_config plus the switches, and
+    # its fc width is num_aux_hidden_states there, else the eagle_config id count, else 3
+    eagle_config = layer.get("eagle_config") or {}
+    fc_states = layer.get("num_aux_hidden_states") or len(eagle_config.get("eagle_aux_hidden_state_layer_ids", [])) or 3
+    assert fc_states == m
     names = set(load_file(tmp_path / "model.safetensors"))
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
-    assert {"d2t", "t2d"} <= names and "embed_tokens.weight" not in names
+    assert {"d2t", "t2d"} <= names
     loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
     assert loaded.config == draft.config
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
 
 
-def test_speculators_format_can_carry_the_embedding(tmp_path):
+def test_speculators_format_carries_the_embedding_by_default(tmp_path):
+    """speculators 0.9 fills a missing embedding from the verifier only when it reads NaN, and can
+    keep uninitialized memory instead; so the speculators format writes it unless told not to."""
     draft, embed = square_draft(m=1)
-    draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(), include_embedding=True)
-    assert torch.equal(load_file(tmp_path / "model.safetensors")["embed_tokens.weight"], embed)
-    loaded = Eagle3Draft.from_pretrained(tmp_path)  # no embed_tokens argument needed
+    target = tiny_target_config()
+    draft.save_pretrained(tmp_path / "spec", format="speculators", target_config=target)
+    assert torch.equal(load_file(tmp_path / "spec" / "model.safetensors")["embed_tokens.weight"], embed)
+    loaded = Eagle3Draft.from_pretrained(tmp_path / "spec")  # no embed_tokens argument needed
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="no embedding attached"):
-        Eagle3Draft(draft.config).save_pretrained(tmp_path, include_embedding=True)
+    draft.save_pretrained(tmp_path / "bare", format="speculators", target_config=target, include_embedding=False)
+    draft.save_pretrained(tmp_path / "eagle3")
+    for name in ("bare", "eagle3"):
+        assert "embed_tokens.weight" not in load_file(tmp_path / name / "model.safetensors")
+    bare = Eagle3Draft(draft.config)
+    with pytest.raises(ValueError, match="has none attached.*include_embedding=False"):
+        bare.save_pretrained(tmp_path / "x", format="speculators", target_config=target)
+    with pytest.raises(ValueError, match="has none attached"):
+        bare.save_pretrained(tmp_path / "x", include_embedding=True)
 
 
 def test_full_vocab_speculators_checkpoint_has_no_vocab_maps(tmp_path):
     cfg = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=50, aux_layer_ids=(3,))
-    Eagle3Draft(cfg).save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config())
+    Eagle3Draft(cfg).save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(),
+                                     include_embedding=False)
     # speculators 0.9 has no d2t / t2d buffers when the draft vocab is the target's
     assert not {"d2t", "t2d"} & set(load_file(tmp_path / "model.safetensors"))
     assert Eagle3Draft.from_pretrained(tmp_path).config == cfg
