@@ -33,9 +33,9 @@ def test_analyze_stories260k(shared_data, tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     configs = json.loads((out / "serving_configs.json").read_text())
     elsi2 = report["selections"]["elsi"]["2"]
-    assert configs["elsi/m=2/vllm"]["config"] == {"eagle_aux_hidden_state_layer_ids": elsi2}
+    assert configs["elsi/m=2/vllm"]["config"] == {"eagle_aux_hidden_state_layer_ids": elsi2, "num_aux_hidden_states": 2}
     assert configs["elsi/m=2/sglang"]["config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [l - 1 for l in elsi2]
-    assert any("hard-codes" in note for note in configs["elsi/m=2/vllm"]["notes"])
+    assert any("exactly 3" in note for note in configs["elsi/m=2/specforge"]["notes"])
 
 
 def test_analyze_bad_prompt_file(shared_data, tmp_path):

@@ -64,10 +64,11 @@ def test_select_in_session_for_new_m_and_consistency(report):
 
 def test_serving_configs_and_warnings(report):
     layers = report.select("elsi", 3)
-    assert report.serving_config("vllm", m=3) == {"eagle_aux_hidden_state_layer_ids": layers}
+    assert report.serving_config("vllm", m=3) == {"eagle_aux_hidden_state_layer_ids": layers,
+                                                  "num_aux_hidden_states": 3}
     assert report.serving_config("trtllm", m=3)["eagle3_layers_to_capture"] == [l - 1 for l in layers]
-    with pytest.warns(UserWarning, match="hard-codes 3"):
-        report.serving_config("vllm", m=1)
+    with pytest.warns(UserWarning, match="specforge: m=1: SpecForge 0.2 accepts exactly 3"):
+        report.serving_config("specforge", m=1)
     with pytest.raises(ValueError, match="engine"):
         report.serving_config("nope")
 
