@@ -132,3 +132,49 @@ def test_baselines():
         sel.eagle3_layers(2)
     with pytest.raises(ValueError, match="m"):
         sel.uniform_layers(4, 5)
+
+
+def _noisy_objective(table, noise, seed, margin=0.02):
+    """A ScreenedObjective over a lookup table whose surrogate is off by a set-dependent error of
+    at most `noise` plus a common offset (what the screen assumes of a good surrogate)."""
+    rng = np.random.default_rng(seed)
+    error = {s: 0.3 + rng.uniform(-noise, noise) for s in table}
+    exact = lambda sets: np.array([table[tuple(s)] for s in sets])  # noqa: E731
+    surrogate = lambda sets: np.array([table[tuple(s)] - error[tuple(s)] for s in sets])  # noqa: E731
+    return sel.ScreenedObjective(exact, surrogate, margin=margin)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_screened_search_equals_brute_force_and_evaluates_few_sets(seed):
+    rng = np.random.default_rng(seed)
+    table = {s: rng.normal() for r in range(1, 4) for s in itertools.combinations(range(9), r)}
+    objective = _noisy_objective(table, noise=0.01, seed=seed)
+    plain = lambda sets: np.array([table[tuple(s)] for s in sets])  # noqa: E731
+    for m in (1, 2, 3):
+        for maximize in (True, False):
+            assert (sel.exhaustive_select(objective, range(9), m, maximize=maximize).layers
+                    == sel.exhaustive_select(plain, range(9), m, maximize=maximize).layers)
+            screened = sel.greedy_select(objective, range(9), m, maximize=maximize)
+            brute = sel.greedy_select(plain, range(9), m, maximize=maximize)
+            assert screened.layers == brute.layers and screened.gains == brute.gains  # exact values, not surrogates
+    assert objective.counts["evaluated"] < objective.counts["screened"] / 3
+
+
+def test_screen_keeps_the_first_of_exact_ties_and_counts_penalized_work():
+    table = {(0,): 1.0, (1,): 2.0, (2,): 2.0, (3,): 2.0, (4,): 0.5}
+    objective = _noisy_objective(table, noise=0.0, seed=0)
+    assert sel.screened_best(objective, [(4,), (3,), (1,), (2,)]) == (1, 2.0)  # (3,) comes first in `sets`
+    penalized = sel.cka_penalized(objective, np.eye(5), beta=1.0)
+    assert isinstance(penalized, sel.ScreenedObjective)
+    before = objective.counts["screened"]
+    assert sel.screened_best(penalized, [(0,), (4,)], maximize=False) == (1, 0.5)
+    assert objective.counts["screened"] == before + 2
+
+
+def test_screen_with_infinite_margin_is_exhaustive():
+    # An adversarial surrogate (inverted order) can hide the optimum from a finite margin only.
+    table = {(i,): float(i) for i in range(20)}
+    exact = lambda sets: np.array([table[s] for s in sets])  # noqa: E731
+    objective = sel.ScreenedObjective(exact, lambda sets: -exact(sets), margin=np.inf)
+    assert sel.screened_best(objective, list(table)) == (19, 19.0)
+    assert objective.counts["evaluated"] == 20
