@@ -70,7 +70,7 @@ class AnalyzeOptions:
     novelty_half_width: int = 2
     novelty_threshold: float = 0.1
     max_exhaustive: int = 1000
-    screen_margin: float = 0.02
+    screen_z: float = 4.0
     save_every: int = 8
 
     def validate(self, num_blocks: int) -> None:
@@ -98,8 +98,8 @@ class AnalyzeOptions:
             raise ValueError(f"normalize: expected 'l2' or 'none', got {self.normalize!r}")
         if self.gram_dtype not in ("float32", "float64"):
             raise ValueError(f"gram_dtype: expected float32 or float64, got {self.gram_dtype!r}")
-        if not self.screen_margin >= 0:
-            raise ValueError(f"screen_margin: must be >= 0 nats (inf: evaluate every set exactly), got {self.screen_margin}")
+        if not self.screen_z >= 0:
+            raise ValueError(f"screen_z: must be >= 0 (inf: evaluate every set exactly), got {self.screen_z}")
         if self.candidates is None:
             self.candidates = tuple(range(1, num_blocks))
         bad = [c for c in self.candidates if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= num_blocks]
@@ -152,7 +152,8 @@ class PromptGrams:
         self._frob: list[np.ndarray] = []
         self._file = None
         self._size = 0
-        self._set_cache: dict[tuple[int, ...], float] = {}
+        # per set, H1(K_S) of every prompt in prompt order (NaN: not computed yet)
+        self._set_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._stack: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- building ---------------------------------------------------------------------------
@@ -299,56 +300,67 @@ class PromptGrams:
         gap = (weights * (entropy - single_h2)[:, index]).sum(-1)
         return -np.log(cross / total**2), gap
 
-    def _by_size(self, sets: Sequence[tuple[int, ...]], fn) -> np.ndarray:
-        keys = [tuple(sorted(set(int(a) for a in s))) for s in sets]
-        out = np.empty(len(keys))
+    def _by_size(self, sets: Sequence[tuple[int, ...]], fn, rows: int) -> np.ndarray:
+        """fn(sets of one size) -> [rows, len(part)] applied per set size, in chunks that bound the
+        [P, chunk, m, m] gathers to about 2^22 elements -> [rows, len(sets)]."""
+        keys = [_set_key(s) for s in sets]
+        out = np.empty((rows, len(keys)))
         for size in sorted({len(k) for k in keys}):
             where = [i for i, k in enumerate(keys) if len(k) == size]
-            # bound the [P, chunk, m, m] gathers to about 2^22 elements
             step = max(1, (1 << 22) // (len(self) * size * size))
             for start in range(0, len(where), step):
                 part = where[start : start + step]
-                out[part] = fn([keys[i] for i in part])
+                out[:, part] = fn([keys[i] for i in part])
         return out
 
     def renyi2_entropy(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Mean over prompts of the Renyi-2 entropy H2(sum_{a in S} K_a) per set -> [len(sets)], exact."""
-        return self._by_size(sets, lambda part: self._renyi2_terms(part)[0].mean(0))
+        return self._by_size(sets, lambda part: self._renyi2_terms(part)[0].mean(0, keepdims=True), 1)[0]
 
     def surrogate(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """A cheap estimate of `set_entropy`: per prompt H2(K_S) + sum_a w_a (H1(K_a) - H2(K_a)).
+        """Cheap per-prompt estimates of H1(K_S): H2(K_S) + sum_a w_a (H1(K_a) - H2(K_a)) -> [P, len(sets)].
 
-        Exact for one layer, for layers with identical Grams, and for layers with orthogonal Grams
-        of equal trace and purity (then H1(K_S) = log |S| + mean H1(K_a)); in between it moves
-        with the exact value, which makes it a good order for the screened searches.
+        Exact for one layer, for layers with identical Grams and for layers with orthogonal Grams of
+        equal trace and purity (H1(K_S) = log |S| + mean H1(K_a)); in between its error varies
+        smoothly across prompts, which makes it a good control variate for the screened searches.
         """
-        return self._by_size(sets, lambda part: sum(self._renyi2_terms(part)).mean(0))
+        return self._by_size(sets, lambda part: sum(self._renyi2_terms(part)), len(self))
 
     def set_entropy(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Mean over prompts of H1(sum_{a in S} K_a) for each set S -> [len(sets)] float64, exact.
+        A repeated layer counts once."""
+        return self.prompt_set_entropy(sets, np.arange(len(self))).mean(0)
 
-        A repeated layer counts once. Values are cached: the searches revisit sets.
+    def prompt_set_entropy(self, sets: Sequence[tuple[int, ...]], prompts: np.ndarray) -> np.ndarray:
+        """H1(sum_{a in S} K_a) of the given prompts (positions in prompt order) -> [len(prompts), len(sets)].
+
+        Values are cached per set and prompt: the searches revisit sets and widen prompt samples.
         """
-        keys = [tuple(sorted(set(int(a) for a in s))) for s in sets]
-        todo = sorted({k for k in keys if k not in self._set_cache})
-        singles = [k for k in todo if len(k) == 1]
-        if singles:
-            means = np.stack(self._entropy).mean(0)
-            self._set_cache.update((k, float(means[k[0]])) for k in singles)
-        todo = [k for k in todo if len(k) > 1]
+        keys = [_set_key(s) for s in sets]
+        prompts = np.asarray(prompts, dtype=np.int64)
+        entropy = self._stacked()[0]
+        for key in keys:
+            if key not in self._set_cache:
+                self._set_cache[key] = entropy[:, key[0]].copy() if len(key) == 1 else np.full(len(self), np.nan)
+        todo = sorted({k for k in keys if np.isnan(self._set_cache[k][prompts]).any()})
         if todo:
             if not self.factors:
                 raise ValueError("set_entropy: this store keeps per-layer statistics only (factors=False)")
             self._file.flush()  # positioned reads see only what reached the OS
-            totals = np.zeros(len(todo))
+            order = self._order()
+            wanted = {int(order[p]) for p in prompts}
             first, stop = min(k[0] for k in todo), max(k[-1] for k in todo) + 1
-            for chunk in self._prompt_chunks():
+            position = np.empty(len(self), dtype=np.int64)
+            position[order] = np.arange(len(self))
+            for chunk in self._prompt_chunks(wanted):
                 block = self._read(chunk, first, stop)
                 gram = self._is_gram(chunk[0])
-                for j, layer_set in enumerate(todo):
-                    totals[j] += float(self._set_entropies(block, [a - first for a in layer_set], gram).sum())
-            self._set_cache.update(zip(todo, (totals / len(self)).tolist()))
-        return np.array([self._set_cache[k] for k in keys])
+                for key in todo:
+                    missing = [row for row, i in enumerate(chunk) if np.isnan(self._set_cache[key][position[i]])]
+                    if missing:
+                        values = self._set_entropies(block[missing], [a - first for a in key], gram)
+                        self._set_cache[key][position[[chunk[row] for row in missing]]] = values.numpy()
+        return np.stack([self._set_cache[k][prompts] for k in keys], axis=1)
 
     def prompt_grams(self, i: int) -> torch.Tensor:
         """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
@@ -359,16 +371,17 @@ class PromptGrams:
     def _is_gram(self, i: int) -> bool:
         return self.width[i] < self.dim  # Z has more columns than rows: K is stored
 
-    def _prompt_chunks(self):
-        """Lists of prompts of one storage kind and similar token counts whose padded factors fit
-        in _READ_BLOCK_ELEMS (so the searches' memory does not grow with the prompt count)."""
-        order = sorted(range(len(self)), key=lambda i: (self._is_gram(i), self.tokens[i]))
+    def _prompt_chunks(self, records):
+        """`records` (insertion indices) in lists of prompts with the same token count and storage
+        kind, at most _READ_BLOCK_ELEMS of factors each. Equal shapes need no padding, so a prompt's
+        set entropy does not depend on which prompts share its solve (ties stay exact ties)."""
+        order = sorted(records, key=lambda i: (self._is_gram(i), self.tokens[i]))
         num_layers = len(self._entropy[0])
         chunk: list[int] = []
         for i in order:
-            size = self.tokens[i] * self.width[i]
             if chunk and (
-                (len(chunk) + 1) * num_layers * size > _READ_BLOCK_ELEMS or self._is_gram(i) != self._is_gram(chunk[0])
+                (len(chunk) + 1) * num_layers * self.tokens[i] * self.width[i] > _READ_BLOCK_ELEMS
+                or (self._is_gram(i), self.tokens[i]) != (self._is_gram(chunk[0]), self.tokens[chunk[0]])
             ):
                 yield chunk
                 chunk = []
@@ -377,8 +390,7 @@ class PromptGrams:
             yield chunk
 
     def _read(self, chunk: list[int], first: int, stop: int) -> torch.Tensor:
-        """Layers first..stop-1 of the prompts in `chunk` -> [len(chunk), layers, n, w] float64,
-        zero-padded (zero rows and columns add only zero eigenvalues)."""
+        """Layers first..stop-1 of the prompts in `chunk` (one shape) -> [len(chunk), layers, n, w] float64."""
         n_max = max(self.tokens[i] for i in chunk)
         w_max = max(self.width[i] for i in chunk)
         out = torch.zeros(len(chunk), stop - first, n_max, w_max, dtype=torch.float64)
@@ -421,6 +433,10 @@ def _entropy_head(model: nn.Module) -> nn.Linear | None:
             return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head if isinstance(head, nn.Linear) else None
+
+
+def _set_key(layer_set: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(int(a) for a in layer_set)))
 
 
 def _special_ids(tokenizer: Any) -> list[int]:
@@ -512,7 +528,7 @@ def analyze(
     novelty_half_width: int = 2,
     novelty_threshold: float = 0.1,
     max_exhaustive: int = 1000,
-    screen_margin: float = 0.02,
+    screen_z: float = 4.0,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     state_path: str | None = None,
@@ -554,7 +570,7 @@ def analyze(
         novelty_half_width=novelty_half_width,
         novelty_threshold=float(novelty_threshold),
         max_exhaustive=max_exhaustive,
-        screen_margin=float(screen_margin),
+        screen_z=float(screen_z),
         save_every=save_every,
     )
     options.validate(num_blocks)
@@ -829,7 +845,7 @@ def _build_report(
     }
     tokens = dict(state.tokens)
     tokens["kept_fraction"] = tokens["kept"] / tokens["candidates"] if tokens["candidates"] else 0.0
-    objective = ScreenedObjective(grams.set_entropy, grams.surrogate, options.screen_margin)
+    objective = ScreenedObjective(grams.prompt_set_entropy, grams.surrogate, len(grams), options.screen_z)
     report = LayerReport(
         model=model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         num_hidden_layers=num_blocks,
@@ -851,4 +867,5 @@ def _build_report(
     report.compute_selections()
     report.timing["sets_screened"] = objective.counts["screened"]
     report.timing["sets_evaluated_exactly"] = objective.counts["evaluated"]
+    report.timing["prompt_set_eigensolves"] = objective.counts["prompt_evaluations"]
     return report

@@ -5,10 +5,11 @@ that maps a list of layer sets (tuples of input-to-layer indices) to their objec
 batched call, so the caller decides how a set's entropy is computed (prompt-mode Shannon entropy
 of the concatenation, dataset-mode Renyi-2, ...).
 
-An exact objective that is expensive per set (one eigensolve per prompt) can come with a cheap
-surrogate (`ScreenedObjective`): the searches then rank all candidate sets by the surrogate and
-evaluate exactly, best first, only those the surrogate cannot rule out (`screened_best`). The
-winners and every reported value are exact values.
+An objective that is a mean over prompts and costs one eigensolve per prompt and set can come
+with a cheap per-prompt surrogate (`ScreenedObjective`): the searches then estimate every
+candidate set from its surrogate corrected on a small sample of prompts, and evaluate on every
+prompt only the sets that the estimates cannot rule out (`screened_best`). The winners and every
+reported value are exact values.
 """
 
 from __future__ import annotations
@@ -22,59 +23,91 @@ import numpy as np
 
 SetFunction = Callable[[Sequence[tuple[int, ...]]], np.ndarray]
 
-# Exact evaluations per round of a screened search: one round reads the store once.
-_SCREEN_ROUND = 4
+# Values this close (relative) are ties, won by the first set in enumeration order: exact ties
+# (identical layers) then do not depend on round-off, which differs between implementations.
+TIE_RTOL = 1e-12
+# Sets per round of a screened search's first stage, and its first prompt sample.
+_SCREEN_ROUND = 8
+_FIRST_SAMPLE = 16
 
 
 @dataclass
 class ScreenedObjective:
-    """An exact set function with a cheap surrogate of it, and counters of the work done.
+    """A set objective that is a mean over prompts, with a cheap per-prompt surrogate of it.
 
-    exact(sets) -> exact values (the objective; calling the object calls it); surrogate(sets) ->
-    approximations of them whose errors vary little across sets. `margin` (nats) widens the
-    screen beyond the spread of errors observed on the sets evaluated so far.
+    values(sets, prompts) -> [len(prompts), len(sets)]: the exact per-prompt values of the given
+    prompt positions (0..num_prompts-1); surrogate(sets) -> [num_prompts, len(sets)]: cheap
+    approximations whose errors vary little across prompts. Calling the object gives the exact
+    means. z: width, in standard errors, of the screen's confidence intervals (inf: exhaustive).
     """
 
-    exact: SetFunction
-    surrogate: SetFunction
-    margin: float = 0.02
-    # {"screened": sets ranked by the surrogate, "evaluated": sets evaluated exactly}; shared
-    # with the objectives derived from this one (cka_penalized).
-    counts: dict[str, int] = field(default_factory=lambda: {"screened": 0, "evaluated": 0})
+    values: Callable[[Sequence[tuple[int, ...]], np.ndarray], np.ndarray]
+    surrogate: Callable[[Sequence[tuple[int, ...]]], np.ndarray]
+    num_prompts: int
+    z: float = 4.0
+    # {"screened": sets ranked, "evaluated": sets evaluated on every prompt, "prompt_evaluations":
+    # exact per-prompt values computed}; shared with objectives derived from this one (cka_penalized).
+    counts: dict[str, int] = field(default_factory=lambda: {"screened": 0, "evaluated": 0, "prompt_evaluations": 0})
 
     def __call__(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        return np.asarray(self.exact(sets), dtype=np.float64)
+        return np.asarray(self.values(sets, np.arange(self.num_prompts)), dtype=np.float64).mean(0)
 
 
 def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]], maximize: bool = True) -> tuple[int, float]:
     """(index into `sets`, exact value) of the best set, the first in `sets` among exact ties.
 
-    Sets are evaluated exactly in rounds, in order of their surrogate value. With r(S) = exact(S)
-    - surrogate(S) over the sets evaluated so far, an unevaluated set S is taken to be unable to
-    beat the best exact value v* when surrogate(S) + max r + (max r - min r) + margin < v*
-    (mirrored when minimizing); the search stops when that holds for every set left. The rule is
-    a screen, not a bound: tests compare its picks with brute force on models with planted
-    structure, and `margin` = inf makes the search exhaustive.
+    The mean over prompts of the surrogate is exact and cheap for every set; its error is estimated
+    from exact values on a random sample of prompts (a control variate): est(S) = mean surrogate(S)
+    + sample mean of (exact - surrogate)(S), with standard error se(S) (finite-population corrected).
+    1. Sets are taken in order of their mean surrogate, _SCREEN_ROUND at a time, and estimated on
+       the first sample; taking stops when the next set's mean surrogate plus the largest error
+       seen (+ its spread and z se) cannot reach the leader's lower bound est - z se.
+    2. Racing: sets whose upper bound est + z se is below the leader's lower bound are dropped, the
+       sample grows 4x, until it holds every prompt; the survivors' values are then exact.
+    This is a screen, not a bound: tests compare its picks with brute force, including planted ties.
     """
     sign = 1.0 if maximize else -1.0
-    approx = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)
+    num_prompts = objective.num_prompts
+    per_prompt = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)  # [P, N]
+    approx = per_prompt.mean(0)
     order = np.argsort(-approx, kind="stable")
-    exact: dict[int, float] = {}
-    position = 0
-    while position < len(order):
-        batch = [int(i) for i in order[position : position + _SCREEN_ROUND]]
-        position += len(batch)
-        values = sign * np.asarray(objective.exact([sets[i] for i in batch]), dtype=np.float64)
-        exact.update(zip(batch, values.tolist()))
-        residual = np.array([exact[i] - approx[i] for i in exact])
-        slack = residual.max() + (residual.max() - residual.min()) + objective.margin
-        if position < len(order) and approx[order[position]] + slack < max(exact.values()):
+    permutation = np.random.default_rng(len(sets)).permutation(num_prompts)
+    estimate, error = np.full(len(sets), np.nan), np.zeros(len(sets))
+
+    def run(indices: list[int], size: int) -> None:
+        sample = np.sort(permutation[:size])
+        exact = sign * np.asarray(objective.values([sets[i] for i in indices], sample), dtype=np.float64)
+        objective.counts["prompt_evaluations"] += exact.size
+        if size == num_prompts:  # exact means, so that exact ties stay ties
+            estimate[indices], error[indices] = exact.mean(0), 0.0
+            return
+        residual = exact - per_prompt[sample][:, indices]
+        estimate[indices] = approx[indices] + residual.mean(0)
+        error[indices] = residual.std(0, ddof=1) / math.sqrt(size) * math.sqrt(1 - size / num_prompts) if size > 1 else 0.0
+
+    size = num_prompts if math.isinf(objective.z) else min(num_prompts, _FIRST_SAMPLE)
+    alive: list[int] = []
+    for start in range(0, len(order), _SCREEN_ROUND):
+        batch = [int(i) for i in order[start : start + _SCREEN_ROUND]]
+        run(batch, size)
+        alive += batch
+        if math.isinf(objective.z):
+            continue
+        lower = np.max(estimate[alive] - objective.z * error[alive])
+        correction = estimate[alive] - approx[alive]
+        reach = correction.max() + np.ptp(correction) + objective.z * error[alive].max()
+        if start + _SCREEN_ROUND < len(order) and approx[order[start + _SCREEN_ROUND]] + reach < lower:
             break
+    while size < num_prompts:
+        lower = np.max(estimate[alive] - objective.z * error[alive])
+        alive = [i for i in alive if estimate[i] + objective.z * error[i] >= lower]
+        size = min(num_prompts, 4 * size)
+        run(alive, size)
     objective.counts["screened"] += len(sets)
-    objective.counts["evaluated"] += len(exact)
-    best = max(exact.values())
-    index = min(i for i, v in exact.items() if v == best)
-    return index, sign * best
+    objective.counts["evaluated"] += len(alive)
+    alive.sort()  # ties go to the first in `sets`
+    pick = alive[_first_best(estimate[alive])]
+    return pick, float(sign * estimate[pick])
 
 
 def _check_square(matrix: np.ndarray, name: str) -> np.ndarray:
@@ -238,7 +271,8 @@ def exhaustive_select(
     )
     while batch := list(itertools.islice(subsets, chunk)):
         pick, value = _best(f, batch, maximize)
-        if best_value is None or (value > best_value if maximize else value < best_value):
+        tie = TIE_RTOL * max(1.0, abs(value))
+        if best_value is None or (value > best_value + tie if maximize else value < best_value - tie):
             best_set, best_value = batch[pick], value
     return Selection(layers=list(best_set), value=best_value, exhaustive=True)
 
@@ -248,8 +282,14 @@ def _best(f: SetFunction, sets: Sequence[tuple[int, ...]], maximize: bool) -> tu
     if isinstance(f, ScreenedObjective):
         return screened_best(f, sets, maximize)
     values = np.asarray(f(sets), dtype=np.float64)
-    pick = int(np.argmax(values) if maximize else np.argmin(values))
+    pick = _first_best(values if maximize else -values)
     return pick, float(values[pick])
+
+
+def _first_best(values: np.ndarray) -> int:
+    """Index of the first value within TIE_RTOL of the maximum."""
+    best = values.max()
+    return int(np.flatnonzero(values >= best - TIE_RTOL * max(1.0, abs(best)))[0])
 
 
 def select(
@@ -299,12 +339,13 @@ def cka_penalized(f: SetFunction, cka: np.ndarray, beta: float) -> SetFunction:
             [beta * np.mean([cka[a, b] for a, b in itertools.combinations(s, 2)]) if len(s) > 1 else 0.0 for s in sets]
         )
 
-    def penalize(g: SetFunction) -> SetFunction:
-        return lambda sets: np.asarray(g(sets), dtype=np.float64) - penalty(sets)
-
     if isinstance(f, ScreenedObjective):
-        return ScreenedObjective(penalize(f.exact), penalize(f.surrogate), f.margin, f.counts)
-    return penalize(f)
+        return ScreenedObjective(
+            lambda sets, prompts: np.asarray(f.values(sets, prompts), dtype=np.float64) - penalty(sets),
+            lambda sets: np.asarray(f.surrogate(sets), dtype=np.float64) - penalty(sets),
+            f.num_prompts, f.z, f.counts,
+        )
+    return lambda sets: np.asarray(f(sets), dtype=np.float64) - penalty(sets)
 
 
 def _compartment_index(

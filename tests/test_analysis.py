@@ -192,6 +192,12 @@ def brute_force_set_entropy(grams):
     return f
 
 
+def first_best(values):
+    """The first index among values equal to the maximum up to round-off (TIE_RTOL)."""
+    values = np.asarray(values)
+    return int(np.flatnonzero(values >= values.max() - 1e-12 * max(1.0, abs(values.max())))[0])
+
+
 def brute_force_select(f, candidates, m, maximize=True, penalty=lambda s: 0.0, max_exhaustive=1000):
     """(layers, greedy gains) by the definitions of DESIGN.md section 4, evaluating every set."""
     sign = 1 if maximize else -1
@@ -200,13 +206,13 @@ def brute_force_select(f, candidates, m, maximize=True, penalty=lambda s: 0.0, m
     for _ in range(m):
         options = [c for c in candidates if c not in chosen]
         values = [sign * g(tuple(sorted([*chosen, c]))) for c in options]
-        pick = int(np.argmax(values))
+        pick = first_best(values)
         chosen.append(options[pick])
         gains.append(sign * values[pick] - current)
         current = sign * values[pick]
     if math.comb(len(candidates), m) <= max_exhaustive:
         subsets = list(itertools.combinations(candidates, m))
-        return list(subsets[int(np.argmax([sign * g(s) for s in subsets]))]), gains
+        return list(subsets[first_best([sign * g(s) for s in subsets])]), gains
     return sorted(chosen), gains
 
 
@@ -215,7 +221,7 @@ def check_selections_equal_brute_force(model, prompts, threshold, **options):
     by fp32 round-off, ~1e-8 nats), checked against the independent reference first."""
     report = analyze(model, SpecialIds(), prompts, min_token_entropy=threshold, gram_dtype="float64",
                      progress=False, **options)
-    store = report.set_entropy.exact.__self__
+    store = report.set_entropy.values.__self__
     grams = [store.prompt_grams(i).numpy() for i in np.argsort(store.prompt_index)]
     reference = reference_prompt_vectors(model, prompts, threshold)
     for k, z in zip(grams, reference):
@@ -251,7 +257,7 @@ def test_screened_selections_equal_brute_force(lengths):
     entropies are solved on the smaller side. Picks, set values and greedy gains equal the
     brute-force definitions to 1e-9; m = 2 is exhaustive, m = 3 greedy (C(6, 3) > max_exhaustive)."""
     model = tiny_model("llama", num_hidden_layers=7, seed=12)
-    prompts = make_prompts(6, seed=12, min_len=lengths[0], max_len=lengths[1])
+    prompts = make_prompts(40, seed=12, min_len=lengths[0], max_len=lengths[1])  # > 16: the screen samples prompts
     check_selections_equal_brute_force(model, prompts, _midpoint_threshold(model, prompts), m=(1, 2, 3),
                                        max_exhaustive=16)
 
@@ -260,9 +266,9 @@ def test_screened_selections_equal_brute_force_on_planted_ties():
     """Identity blocks make whole runs of layers exactly equal (exact ties in every search): the
     screen must still return brute force's first-in-order winner."""
     model = planted_model()
-    report = check_selections_equal_brute_force(model, make_prompts(5, seed=6, min_len=30, max_len=40), 0.0,
+    report = check_selections_equal_brute_force(model, make_prompts(24, seed=6, min_len=30, max_len=40), 0.0,
                                                  m=(2, 3, 4), max_exhaustive=40)
-    assert report.timing["sets_evaluated_exactly"] < report.timing["sets_screened"]
+    assert report.timing["sets_evaluated_exactly"] < report.timing["sets_screened"] / 2
 
 
 def test_prompt_statistics_use_all_kept_tokens_and_spill_to_the_run_folder(tmp_path):
