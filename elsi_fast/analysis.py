@@ -49,6 +49,7 @@ _STATE_VERSION = 2
 # Elements of the factors read back at once for exact set entropies (64 MiB in float64).
 _READ_BLOCK_ELEMS = 1 << 23
 _EIG_SLICE = 32
+_PAD_TOKENS = 16
 
 
 @dataclass
@@ -353,36 +354,44 @@ class PromptGrams:
             position = np.empty(len(self), dtype=np.int64)
             position[order] = np.arange(len(self))
             for chunk in self._prompt_chunks(wanted):
+                rows = position[chunk]
+                need = {k: np.flatnonzero(np.isnan(self._set_cache[k][rows])) for k in todo}
+                need = {k: v for k, v in need.items() if len(v)}
+                if not need:
+                    continue
                 block = self._read(chunk, first, stop)
                 gram = self._is_gram(chunk[0])
-                for key in todo:
-                    missing = [row for row, i in enumerate(chunk) if np.isnan(self._set_cache[key][position[i]])]
-                    if missing:
-                        values = self._set_entropies(block[missing], [a - first for a in key], gram)
-                        self._set_cache[key][position[[chunk[row] for row in missing]]] = values.numpy()
+                for key, missing in need.items():
+                    values = self._set_entropies(block[missing], [a - first for a in key], gram)
+                    self._set_cache[key][rows[missing]] = values.numpy()
         return np.stack([self._set_cache[k][prompts] for k in keys], axis=1)
 
     def prompt_grams(self, i: int) -> torch.Tensor:
         """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
         self._file.flush()
-        factor = self._read([i], 0, len(self._entropy[i]))[0]
+        factor = self._read([i], 0, len(self._entropy[i]))[0, :, : self.tokens[i], : self.width[i]]
         return factor if self._is_gram(i) else factor @ factor.transpose(-2, -1)
 
     def _is_gram(self, i: int) -> bool:
         return self.width[i] < self.dim  # Z has more columns than rows: K is stored
 
+    def _padded_tokens(self, i: int) -> int:
+        """The token count a prompt's factors are zero-padded to in the solves: a multiple of
+        _PAD_TOKENS, a function of the prompt alone, so that its set entropies do not depend on
+        which prompts share its batch (exact ties stay exact ties)."""
+        return -(-self.tokens[i] // _PAD_TOKENS) * _PAD_TOKENS
+
     def _prompt_chunks(self, records):
-        """`records` (insertion indices) in lists of prompts with the same token count and storage
-        kind, at most _READ_BLOCK_ELEMS of factors each. Equal shapes need no padding, so a prompt's
-        set entropy does not depend on which prompts share its solve (ties stay exact ties)."""
-        order = sorted(records, key=lambda i: (self._is_gram(i), self.tokens[i]))
+        """`records` (insertion indices) in lists of one storage kind and padded token count, at
+        most _READ_BLOCK_ELEMS of factors each (the searches' memory does not grow with P)."""
+        shape = lambda i: (self._is_gram(i), self._padded_tokens(i))  # noqa: E731
+        order = sorted(records, key=shape)
         num_layers = len(self._entropy[0])
         chunk: list[int] = []
         for i in order:
-            if chunk and (
-                (len(chunk) + 1) * num_layers * self.tokens[i] * self.width[i] > _READ_BLOCK_ELEMS
-                or (self._is_gram(i), self.tokens[i]) != (self._is_gram(chunk[0]), self.tokens[chunk[0]])
-            ):
+            n = self._padded_tokens(i)
+            width = n if self._is_gram(i) else self.dim
+            if chunk and ((len(chunk) + 1) * num_layers * n * width > _READ_BLOCK_ELEMS or shape(i) != shape(chunk[0])):
                 yield chunk
                 chunk = []
             chunk.append(i)
@@ -390,10 +399,12 @@ class PromptGrams:
             yield chunk
 
     def _read(self, chunk: list[int], first: int, stop: int) -> torch.Tensor:
-        """Layers first..stop-1 of the prompts in `chunk` (one shape) -> [len(chunk), layers, n, w] float64."""
-        n_max = max(self.tokens[i] for i in chunk)
-        w_max = max(self.width[i] for i in chunk)
-        out = torch.zeros(len(chunk), stop - first, n_max, w_max, dtype=torch.float64)
+        """Layers first..stop-1 of the prompts in `chunk` (one padded shape) -> [len(chunk), layers,
+        n, w] float64, zero-padded: zero rows add nothing to Z^T Z, zero rows and columns of K add
+        zero eigenvalues only."""
+        n_pad = self._padded_tokens(chunk[0])
+        w_pad = n_pad if self._is_gram(chunk[0]) else self.dim
+        out = torch.zeros(len(chunk), stop - first, n_pad, w_pad, dtype=torch.float64)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
