@@ -146,7 +146,7 @@ def run_synthetic(args) -> dict:
         report.compute_selections()
         out["selection_seconds"] = time.perf_counter() - started
         out["peak_rss_bytes"] = _peak_rss()
-        out["counts"] = dict(objective.counts)
+        out["counts"] = {**objective.counts, "prompt_set_eigensolves": store.solves}
         out["selections"] = report.selections
         out["set_values"] = report.set_values
         out["rss_before_selection_bytes"] = rss_before
@@ -155,6 +155,7 @@ def run_synthetic(args) -> dict:
             started = time.perf_counter()
             report_today.compute_selections()
             out["today_selection_seconds"] = time.perf_counter() - started
+            out["today_prompt_set_eigensolves"] = len(today._cache) * args.prompts
             out["today_store_bytes"] = sum(g.numel() * g.element_size() for g in today.grams)
             out["today_selections"] = report_today.selections
     return out
@@ -227,6 +228,7 @@ def main() -> None:
         if args.today:
             params["picks_equal_today"] = result["selections"] == result["today_selections"]
             params["today_store_bytes"] = result["today_store_bytes"]
+            params["today_prompt_set_eigensolves"] = result["today_prompt_set_eigensolves"]
         print(json.dumps({k: v for k, v in result.items() if k not in ("selections", "set_values", "today_selections")}, indent=1))
         if args.no_record:
             return
