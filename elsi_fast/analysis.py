@@ -360,10 +360,13 @@ class PromptGrams:
                 need = {k: v for k, v in need.items() if len(v)}
                 if not need:
                     continue
-                block = self._read(chunk, first, stop)
+                reading = np.unique(np.concatenate(list(need.values())))  # only prompts with a missing value
+                block = self._read([chunk[r] for r in reading], first, stop)
                 gram = self._is_gram(chunk[0])
                 for key, missing in need.items():
-                    values = self._set_entropies(block[missing], [a - first for a in key], gram)
+                    layers = torch.tensor([a - first for a in key])
+                    at = torch.from_numpy(np.searchsorted(reading, missing))
+                    values = self._set_entropies(block[at[:, None], layers[None, :]], gram)
                     self._set_cache[key][rows[missing]] = values.numpy()
                     self.solves += len(missing)
         return np.stack([self._set_cache[k][prompts] for k in keys], axis=1)
@@ -406,18 +409,19 @@ class PromptGrams:
         zero eigenvalues only."""
         n_pad = self._padded_tokens(chunk[0])
         w_pad = n_pad if self._is_gram(chunk[0]) else self.dim
-        out = torch.zeros(len(chunk), stop - first, n_pad, w_pad, dtype=torch.float64)
+        out = torch.empty(len(chunk), stop - first, n_pad, w_pad, dtype=torch.float64)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
             layer_bytes = n * w * itemsize
             data = os.pread(self._file.fileno(), layer_bytes * (stop - first), self.offset[i] + first * layer_bytes)
             out[row, :, :n, :w] = torch.frombuffer(bytearray(data), dtype=self.dtype).view(stop - first, n, w)
+            out[row, :, n:].zero_()
+            out[row, :, :n, w:].zero_()
         return out
 
-    def _set_entropies(self, block: torch.Tensor, layers: list[int], gram: bool) -> torch.Tensor:
-        """H1(K_S) per prompt of a block from _read, `layers` indexing its layer axis -> [c]."""
-        parts = block[:, layers]  # [c, m, n, w]
+    def _set_entropies(self, parts: torch.Tensor, gram: bool) -> torch.Tensor:
+        """H1(K_S) per prompt from the factors [c, m, n, w] of the set's m layers -> [c]."""
         c, m, n, w = parts.shape
         if gram:
             matrix = parts.sum(1)
