@@ -229,6 +229,12 @@ class LayerReport:
                 f"{self.options.get('gram_dtype')}), {self.memory.get('prompt_statistics_bytes', 0) / 2**20:.1f} MiB "
                 f"in RAM; accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
             )
+        if "sets_screened" in self.timing:
+            lines.append(
+                f"set searches: {self.timing['sets_screened']} candidate sets screened on prompt samples "
+                f"(Renyi-2 control variate, z={self.options.get('screen_z')}), {self.timing['sets_evaluated_exactly']} "
+                f"evaluated on every prompt; {self.timing['prompt_set_eigensolves']} (set, prompt) eigensolves"
+            )
         lines.append("")
         lines.append(f"{'layer':>5}  {'H prompt (mean±std)':>20}  {'H dataset':>9}  {'H2 dataset':>10}  compartment")
         compartment_of = {l: i for i, (a, b) in enumerate(self.compartments) for l in range(a, b + 1)}
