@@ -4,12 +4,14 @@ Per batch of prompts, forward hooks (elsi_fast.capture) hand over each h_l as it
 hook keeps only the candidate token rows (no padding, no position 0, no special tokens). After the
 forward the token-entropy filter picks the kept rows, and they feed
 - StreamingCovariance (dataset-mode entropy per layer),
-- MinibatchHSIC, one minibatch per prompt (CKA, Renyi-2 of any set; batching-independent, so
-  resumed and data-parallel runs give the same numbers),
-- the prompt-mode Gram store: per prompt and layer K_l = Z_l Z_l^T of the centered, L2-normalized
-  kept rows (at most `gram_tokens` of them, evenly spaced), stored on the CPU in `gram_dtype`.
-  The concatenation of a layer set S has Gram sum_{a in S} K_a, so its Shannon entropy (ELSI's
-  objective) is evaluated after the pass for any S. Its size is reported (`memory`).
+- StreamingCovariance (dataset-mode Shannon and Renyi-2 entropy per layer),
+- MinibatchHSIC, one minibatch per prompt (CKA; batching-independent, so resumed and
+  data-parallel runs give the same numbers),
+- PromptGrams, prompt mode over all kept tokens of each prompt (DESIGN.md section 3): per prompt,
+  the layers' exact entropies and the L x L Frobenius products of their Grams in RAM, and the
+  factors an exact set entropy needs in a spill file (`gram_dtype`, float32 by default) next to
+  the state file. The concatenation of a layer set S has Gram sum_{a in S} K_a: after the pass the
+  searches rank candidate sets by a Renyi-2-based surrogate and evaluate the contenders exactly.
 The candidate rows are released after each batch; nothing else is kept per token.
 """
 
@@ -19,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -28,9 +31,10 @@ import torch
 from torch import nn
 
 from .capture import capture_hidden_states, decoder_layers
-from .metrics import normalize_tokens, linear_token_entropy, spectrum_entropy, token_entropy
+from .metrics import _centered_gram_inner_products, linear_token_entropy, normalize_tokens, spectrum_entropy, token_entropy
 from .prompts import Prompt, encode_prompt
 from .report import LayerReport
+from .selection import ScreenedObjective
 from .streaming import MinibatchHSIC, StreamingCovariance
 
 # Default token-entropy threshold (nats), from bench/bench_analysis.py --part threshold on
@@ -41,10 +45,11 @@ from .streaming import MinibatchHSIC, StreamingCovariance
 # 35.6-48.4% reduction was measured on 4B-8B models. Every report shows the variance with and
 # without the filter, so a model where filtering hurts is visible (then pass 0).
 DEFAULT_MIN_TOKEN_ENTROPY = 0.5
-_STATE_VERSION = 1
-# Elements of one batched eigen-solve over stored Grams (32 MiB in float32).
-_EIG_BLOCK_ELEMS = 1 << 23
+_STATE_VERSION = 2
+# Elements of the factors read back at once for exact set entropies (64 MiB in float64).
+_READ_BLOCK_ELEMS = 1 << 23
 _EIG_SLICE = 32
+_PAD_TOKENS = 16
 
 
 @dataclass
@@ -58,21 +63,21 @@ class AnalyzeOptions:
     min_token_entropy: float = DEFAULT_MIN_TOKEN_ENTROPY
     drop_special_tokens: bool = True
     normalize: str = "l2"
-    gram_tokens: int = 128
-    gram_dtype: str = "float16"
+    gram_tokens: int | None = None
+    gram_dtype: str = "float32"
     candidates: tuple[int, ...] | None = None
     beta: float = 1.0
     one_per_compartment: bool = False
     novelty_half_width: int = 2
     novelty_threshold: float = 0.1
     max_exhaustive: int = 1000
+    screen_z: float = 4.0
     save_every: int = 8
 
     def validate(self, num_blocks: int) -> None:
         ints = {
             "batch_size": self.batch_size,
             "max_tokens": self.max_tokens,
-            "gram_tokens": self.gram_tokens,
             "novelty_half_width": self.novelty_half_width,
             "max_exhaustive": self.max_exhaustive,
             "save_every": self.save_every,
@@ -82,16 +87,20 @@ class AnalyzeOptions:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens: must be >= 2 (position 0 is always dropped), got {self.max_tokens}")
-        if self.gram_tokens < 2:
-            raise ValueError(f"gram_tokens: must be >= 2, got {self.gram_tokens}")
+        if self.gram_tokens is not None and (
+            isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int) or self.gram_tokens < 2
+        ):
+            raise ValueError(f"gram_tokens: must be an integer >= 2 or None (all kept tokens), got {self.gram_tokens!r}")
         if self.max_prompts is not None and (not isinstance(self.max_prompts, int) or self.max_prompts < 1):
             raise ValueError(f"max_prompts: must be a positive integer or None, got {self.max_prompts!r}")
         if not math.isfinite(self.min_token_entropy) or self.min_token_entropy < 0:
             raise ValueError(f"min_token_entropy: must be a finite number >= 0 (nats), got {self.min_token_entropy}")
         if self.normalize not in ("l2", "none"):
             raise ValueError(f"normalize: expected 'l2' or 'none', got {self.normalize!r}")
-        if self.gram_dtype not in ("float16", "float32", "float64"):
-            raise ValueError(f"gram_dtype: expected float16, float32 or float64, got {self.gram_dtype!r}")
+        if self.gram_dtype not in ("float32", "float64"):
+            raise ValueError(f"gram_dtype: expected float32 or float64, got {self.gram_dtype!r}")
+        if not self.screen_z >= 0:
+            raise ValueError(f"screen_z: must be >= 0 (inf: evaluate every set exactly), got {self.screen_z}")
         if self.candidates is None:
             self.candidates = tuple(range(1, num_blocks))
         bad = [c for c in self.candidates if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= num_blocks]
@@ -114,87 +123,317 @@ class AnalyzeOptions:
 
 
 class PromptGrams:
-    """Per-prompt, per-layer Grams of prompt-mode token vectors, for set entropies after the pass.
+    """Prompt-mode statistics of every prompt, exact, with memory in RAM independent of token counts.
 
-    `grams[i]` is [L, n_i, n_i] (n_i <= gram_tokens) on the CPU. Zero-padding a Gram to a common
-    size adds zero eigenvalues only, so prompts of different lengths are solved in one batch.
+    Per prompt with n kept tokens and layer vectors Z_a [n, d] (centered over the prompt, rows
+    L2-normalized; K_a = Z_a Z_a^T):
+    - in RAM, O(L^2) per prompt, float64: `entropy` H1(K_a) (eigen-solved on the smaller side of
+      Z_a, d x d or n x n), `trace` tr K_a and `frob` <K_a, K_b>_F. These give every layer's
+      statistics and the Renyi-2 entropy of any set S, -log(sum_{a,b in S} <K_a, K_b> / (sum tr K_a)^2),
+      in O(|S|^2) per prompt;
+    - in a spill file (`factors=True`), per prompt and layer, Z_a [n, d] when d <= n, else K_a
+      [n, n], in `dtype`: what an exact H1(K_S) of any set needs. The nonzero spectrum of
+      K_S = sum_{a in S} K_a is that of [Z_a]^T [Z_a] (|S| d square) or of K_S (n square): the
+      smaller one is solved, in float64.
+    The file is read back with positioned reads, a few prompts at a time, so the RAM used by the
+    searches does not grow with the number of prompts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int, path: str | None = None, *, factors: bool = True, dtype: torch.dtype = torch.float32):
+        self.dim = dim
+        self.path = path
+        self.factors = factors
+        self.dtype = dtype
         self.prompt_index: list[int] = []
-        self.grams: list[torch.Tensor] = []
-        self._set_cache: dict[tuple[int, ...], float] = {}
+        self.tokens: list[int] = []  # n per prompt
+        self.offset: list[int] = []  # byte offset of the prompt's factors in the file
+        self.width: list[int] = []  # columns per layer factor: d (rows of Z) or n (Gram)
+        self._entropy: list[np.ndarray] = []
+        self._trace: list[np.ndarray] = []
+        self._frob: list[np.ndarray] = []
+        self._file = None
+        self._size = 0
+        # per set, H1(K_S) of every prompt in prompt order (NaN: not computed yet)
+        self._set_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self._stack: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.solves = 0  # (set, prompt) eigensolves done by the set entropies
 
-    def add(self, prompt_index: int, gram: torch.Tensor) -> None:
-        self.prompt_index.append(prompt_index)
-        self.grams.append(gram)
-        self._set_cache.clear()
+    # -- building ---------------------------------------------------------------------------
+
+    def _open(self, truncate_to: int) -> None:
+        """Open the spill file (a fresh store opens it on the first write), keeping its first
+        `truncate_to` bytes: what a saved state had written."""
+        if self._file is not None:
+            self._file.close()
+        if self.path is None:
+            self._file = tempfile.TemporaryFile(prefix="elsi-prompt-factors-")
+        else:
+            self._file = open(self.path, "r+b" if os.path.exists(self.path) else "w+b")
+        self._file.truncate(truncate_to)
+        self._size = truncate_to
+
+    def _append(self, data: bytes) -> None:
+        if self._file is None:
+            self._open(truncate_to=0)
+        self._file.seek(self._size)
+        self._file.write(data)
+        self.offset.append(self._size)
+        self._size += len(data)
+
+    def add(self, prompt_index: int, z: torch.Tensor) -> None:
+        """Add one prompt: z [L, n, d] (n >= 2), its layers' prompt-mode vectors (centered and
+        L2-normalized rows), in float64 on the CPU or float32 or better on an accelerator."""
+        num_layers, n, d = z.shape
+        if d <= n:
+            small = z.transpose(-2, -1) @ z  # [L, d, d]: the covariance side
+        else:
+            small = z @ z.transpose(-2, -1)  # [L, n, n]: the Gram side
+        eigvals = torch.linalg.eigvalsh(small.double())
+        self._entropy.append(spectrum_entropy(eigvals).cpu().numpy())
+        self._trace.append(small.diagonal(dim1=-2, dim2=-1).sum(-1).double().cpu().numpy())
+        if self.factors:
+            # <K_a, K_b> = sum over the Grams' entries: one GEMM over the stacked Grams (blocked).
+            frob = _centered_gram_inner_products(list(z.double()), unbiased=False)
+            self._frob.append(frob.cpu().numpy())
+            stored = z if d <= n else small
+            self._append(stored.to(device="cpu", dtype=self.dtype).contiguous().numpy().tobytes())
+            self.width.append(min(n, d))
+        self.prompt_index.append(int(prompt_index))
+        self.tokens.append(n)
+        self._changed()
 
     def __len__(self) -> int:
-        return len(self.grams)
+        return len(self.prompt_index)
 
     @property
     def nbytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.grams)
+        """Bytes of the spill file."""
+        return self._size
 
-    def sorted_by_prompt(self) -> "PromptGrams":
-        out = PromptGrams()
-        for i in np.argsort(self.prompt_index, kind="stable"):
-            out.add(self.prompt_index[i], self.grams[i])
-        return out
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes of the per-prompt statistics held in RAM."""
+        return sum(a.nbytes for rows in (self._entropy, self._trace, self._frob) for a in rows)
 
-    def _padded(self, start: int, stop: int) -> torch.Tensor:
-        size = max(g.shape[-1] for g in self.grams[start:stop])
-        out = torch.zeros(stop - start, self.grams[0].shape[0], size, size, dtype=torch.float32)
-        for i, g in enumerate(self.grams[start:stop]):
-            out[i, :, : g.shape[-1], : g.shape[-1]] = g
-        return out
+    def records(self, start: int = 0, stop: int | None = None):
+        """(prompt_index, entropy, trace, frob, factor bytes or None) per prompt, in insertion order."""
+        if self._file is not None:
+            self._file.flush()
+        for i in range(start, len(self) if stop is None else stop):
+            factor = None
+            if self.factors:
+                end = self.offset[i + 1] if i + 1 < len(self) else self._size
+                factor = (self.tokens[i], self.width[i], os.pread(self._file.fileno(), end - self.offset[i], self.offset[i]))
+            yield self.prompt_index[i], self._entropy[i], self._trace[i], self._frob[i] if self.factors else None, factor
 
-    def _prompt_chunks(self):
-        """Prompt ranges whose padded [L, g, g] Grams fit in _EIG_BLOCK_ELEMS: bounds the memory of
-        the solves after the pass, whatever the number of prompts."""
-        size = max(g.shape[-1] for g in self.grams)
-        step = max(1, _EIG_BLOCK_ELEMS // (self.grams[0].shape[0] * size * size))
-        for start in range(0, len(self.grams), step):
-            yield start, min(len(self.grams), start + step)
+    def add_record(self, prompt_index: int, entropy: np.ndarray, trace: np.ndarray, frob, factor) -> None:
+        """Append a record from `records()` (another rank's, or a saved state's)."""
+        self.prompt_index.append(int(prompt_index))
+        self._entropy.append(entropy)
+        self._trace.append(trace)
+        if self.factors:
+            n, width, data = factor
+            self._frob.append(frob)
+            self._append(data)
+            self.width.append(width)
+            self.tokens.append(n)
+        else:
+            self.tokens.append(0)
+        self._changed()
 
-    def _entropy(self, grams: torch.Tensor) -> torch.Tensor:
-        """H1 of PSD matrices [..., g, g] whose entries were stored in reduced precision.
+    def state_dict(self) -> dict:
+        """Everything but the file's contents (flushed to disk here; the file keeps its path)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return {
+            "factors": self.factors,
+            "prompt_index": list(self.prompt_index),
+            "tokens": list(self.tokens),
+            "offset": list(self.offset),
+            "width": list(self.width),
+            "entropy": list(self._entropy),
+            "trace": list(self._trace),
+            "frob": list(self._frob),
+            "size": self._size,
+        }
 
-        fp32 solves suffice: the entries carry at most fp32 accuracy. Rounding perturbs
-        eigenvalues by up to about g * eps(dtype) * max|K|, so negative eigenvalues within that
-        bound are round-off and are clipped to 0 (spectrum_entropy's tolerance assumes exact entries).
-        """
-        flat = grams.reshape(-1, *grams.shape[-2:])
-        # torch's batched CPU eigvalsh slows down superlinearly with the batch: solve in slices.
-        eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in flat.split(_EIG_SLICE)]).view(grams.shape[:-1])
-        eps = max(torch.finfo(self.grams[0].dtype).eps, torch.finfo(torch.float32).eps)
-        scale = grams.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True)
-        tolerance = grams.shape[-1] * eps * scale
-        return spectrum_entropy(torch.where(eigvals.abs() <= tolerance, eigvals.clamp_min(0), eigvals))
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict(): the file is truncated to what that state had written."""
+        if self.factors:
+            if self.path is None or not os.path.exists(self.path) or os.path.getsize(self.path) < state["size"]:
+                raise ValueError(
+                    f"state_path: the prompt-mode factor file {self.path} is missing or shorter than the saved state"
+                )
+            self._open(truncate_to=state["size"])
+        for key in ("prompt_index", "tokens", "offset", "width"):
+            setattr(self, key, list(state[key]))
+        self._entropy, self._trace, self._frob = list(state["entropy"]), list(state["trace"]), list(state["frob"])
+        self._changed()
+
+    def _changed(self) -> None:
+        self._set_cache.clear()
+        self._stack = None
+
+    # -- statistics -------------------------------------------------------------------------
+
+    def _order(self) -> np.ndarray:
+        return np.argsort(self.prompt_index, kind="stable")
 
     def layer_entropies(self) -> np.ndarray:
-        """Shannon entropy H1(K_l) per prompt and layer -> [P, L] float64."""
-        rows = []
-        for start, stop in self._prompt_chunks():
-            rows.append(self._entropy(self._padded(start, stop)))
-        return torch.cat(rows).numpy()
+        """Shannon entropy H1(K_l) per prompt (in prompt order) and layer -> [P, L] float64."""
+        return np.stack(self._entropy)[self._order()]
+
+    def _stacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._stack is None:
+            order = self._order()
+            self._stack = (np.stack(self._entropy)[order], np.stack(self._trace)[order], np.stack(self._frob)[order])
+        return self._stack
+
+    def _renyi2_terms(self, sets: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per prompt and set: (H2(K_S), sum_a w_a (H1(K_a) - H2(K_a))) with w_a = tr K_a / tr K_S,
+        for sets of one size -> two [P, len(sets)] arrays."""
+        entropy, trace, frob = self._stacked()
+        index = np.array(sets, dtype=np.int64)  # [N, m]
+        total = trace[:, index].sum(-1)  # [P, N]
+        cross = frob[:, index[:, :, None], index[:, None, :]].sum((-2, -1))
+        single_h2 = -np.log(np.diagonal(frob, axis1=1, axis2=2) / trace**2)  # [P, L]
+        weights = trace[:, index] / total[..., None]
+        gap = (weights * (entropy - single_h2)[:, index]).sum(-1)
+        return -np.log(cross / total**2), gap
+
+    def _by_size(self, sets: Sequence[tuple[int, ...]], fn, rows: int) -> np.ndarray:
+        """fn(sets of one size) -> [rows, len(part)] applied per set size, in chunks that bound the
+        [P, chunk, m, m] gathers to about 2^22 elements -> [rows, len(sets)]."""
+        keys = [_set_key(s) for s in sets]
+        out = np.empty((rows, len(keys)))
+        for size in sorted({len(k) for k in keys}):
+            where = [i for i, k in enumerate(keys) if len(k) == size]
+            step = max(1, (1 << 22) // (len(self) * size * size))
+            for start in range(0, len(where), step):
+                part = where[start : start + step]
+                out[:, part] = fn([keys[i] for i in part])
+        return out
+
+    def renyi2_entropy(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """Mean over prompts of the Renyi-2 entropy H2(sum_{a in S} K_a) per set -> [len(sets)], exact."""
+        return self._by_size(sets, lambda part: self._renyi2_terms(part)[0].mean(0, keepdims=True), 1)[0]
+
+    def surrogate(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """Cheap per-prompt estimates of H1(K_S): H2(K_S) + sum_a w_a (H1(K_a) - H2(K_a)) -> [P, len(sets)].
+
+        Exact for one layer, for layers with identical Grams and for layers with orthogonal Grams of
+        equal trace and purity (H1(K_S) = log |S| + mean H1(K_a)); in between its error varies
+        smoothly across prompts, which makes it a good control variate for the screened searches.
+        """
+        return self._by_size(sets, lambda part: sum(self._renyi2_terms(part)), len(self))
 
     def set_entropy(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """Mean over prompts of H1(sum_{a in S} K_a) for each set S -> [len(sets)] float64.
+        """Mean over prompts of H1(sum_{a in S} K_a) for each set S -> [len(sets)] float64, exact.
+        A repeated layer counts once."""
+        return self.prompt_set_entropy(sets, np.arange(len(self))).mean(0)
 
-        Values are cached: greedy, exhaustive and pair-gain searches revisit the same sets.
+    def prompt_set_entropy(self, sets: Sequence[tuple[int, ...]], prompts: np.ndarray) -> np.ndarray:
+        """H1(sum_{a in S} K_a) of the given prompts (positions in prompt order) -> [len(prompts), len(sets)].
+
+        Values are cached per set and prompt: the searches revisit sets and widen prompt samples.
         """
-        keys = [tuple(sorted(set(int(a) for a in s))) for s in sets]
-        todo = sorted({k for k in keys if k not in self._set_cache})
+        keys = [_set_key(s) for s in sets]
+        prompts = np.asarray(prompts, dtype=np.int64)
+        entropy = self._stacked()[0]
+        for key in keys:
+            if key not in self._set_cache:
+                self._set_cache[key] = entropy[:, key[0]].copy() if len(key) == 1 else np.full(len(self), np.nan)
+        todo = sorted({k for k in keys if np.isnan(self._set_cache[k][prompts]).any()})
         if todo:
-            totals = np.zeros(len(todo))
-            for start, stop in self._prompt_chunks():
-                grams = self._padded(start, stop)
-                for k, layer_set in enumerate(todo):
-                    totals[k] += float(self._entropy(grams[:, list(layer_set)].sum(1)).sum())
-            self._set_cache.update(zip(todo, (totals / len(self.grams)).tolist()))
-        return np.array([self._set_cache[k] for k in keys])
+            if not self.factors:
+                raise ValueError("set_entropy: this store keeps per-layer statistics only (factors=False)")
+            self._file.flush()  # positioned reads see only what reached the OS
+            order = self._order()
+            wanted = {int(order[p]) for p in prompts}
+            first, stop = min(k[0] for k in todo), max(k[-1] for k in todo) + 1
+            position = np.empty(len(self), dtype=np.int64)
+            position[order] = np.arange(len(self))
+            for chunk in self._prompt_chunks(wanted):
+                rows = position[chunk]
+                need = {k: np.flatnonzero(np.isnan(self._set_cache[k][rows])) for k in todo}
+                need = {k: v for k, v in need.items() if len(v)}
+                if not need:
+                    continue
+                reading = np.unique(np.concatenate(list(need.values())))  # only prompts with a missing value
+                block = self._read([chunk[r] for r in reading], first, stop)
+                gram = self._is_gram(chunk[0])
+                for key, missing in need.items():
+                    layers = torch.tensor([a - first for a in key])
+                    at = torch.from_numpy(np.searchsorted(reading, missing))
+                    values = self._set_entropies(block[at[:, None], layers[None, :]], gram)
+                    self._set_cache[key][rows[missing]] = values.numpy()
+                    self.solves += len(missing)
+        return np.stack([self._set_cache[k][prompts] for k in keys], axis=1)
+
+    def prompt_grams(self, i: int) -> torch.Tensor:
+        """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
+        self._file.flush()
+        factor = self._read([i], 0, len(self._entropy[i]))[0, :, : self.tokens[i], : self.width[i]]
+        return factor if self._is_gram(i) else factor @ factor.transpose(-2, -1)
+
+    def _is_gram(self, i: int) -> bool:
+        return self.width[i] < self.dim  # Z has more columns than rows: K is stored
+
+    def _padded_tokens(self, i: int) -> int:
+        """The token count a prompt's factors are zero-padded to in the solves: a multiple of
+        _PAD_TOKENS, a function of the prompt alone, so that its set entropies do not depend on
+        which prompts share its batch (exact ties stay exact ties)."""
+        return -(-self.tokens[i] // _PAD_TOKENS) * _PAD_TOKENS
+
+    def _prompt_chunks(self, records):
+        """`records` (insertion indices) in lists of one storage kind and padded token count, at
+        most _READ_BLOCK_ELEMS of factors each (the searches' memory does not grow with P)."""
+        shape = lambda i: (self._is_gram(i), self._padded_tokens(i))  # noqa: E731
+        order = sorted(records, key=shape)
+        num_layers = len(self._entropy[0])
+        chunk: list[int] = []
+        for i in order:
+            n = self._padded_tokens(i)
+            width = n if self._is_gram(i) else self.dim
+            if chunk and ((len(chunk) + 1) * num_layers * n * width > _READ_BLOCK_ELEMS or shape(i) != shape(chunk[0])):
+                yield chunk
+                chunk = []
+            chunk.append(i)
+        if chunk:
+            yield chunk
+
+    def _read(self, chunk: list[int], first: int, stop: int) -> torch.Tensor:
+        """Layers first..stop-1 of the prompts in `chunk` (one padded shape) -> [len(chunk), layers,
+        n, w] float64, zero-padded: zero rows add nothing to Z^T Z, zero rows and columns of K add
+        zero eigenvalues only."""
+        n_pad = self._padded_tokens(chunk[0])
+        w_pad = n_pad if self._is_gram(chunk[0]) else self.dim
+        out = torch.empty(len(chunk), stop - first, n_pad, w_pad, dtype=torch.float64)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        for row, i in enumerate(chunk):
+            n, w = self.tokens[i], self.width[i]
+            layer_bytes = n * w * itemsize
+            data = os.pread(self._file.fileno(), layer_bytes * (stop - first), self.offset[i] + first * layer_bytes)
+            out[row, :, :n, :w] = torch.frombuffer(bytearray(data), dtype=self.dtype).view(stop - first, n, w)
+            out[row, :, n:].zero_()
+            out[row, :, :n, w:].zero_()
+        return out
+
+    def _set_entropies(self, parts: torch.Tensor, gram: bool) -> torch.Tensor:
+        """H1(K_S) per prompt from the factors [c, m, n, w] of the set's m layers -> [c]."""
+        c, m, n, w = parts.shape
+        if gram:
+            matrix = parts.sum(1)
+        else:
+            y = parts.permute(0, 2, 1, 3).reshape(c, n, m * w)  # the concatenation [Z_a]
+            matrix = y.transpose(-2, -1) @ y if m * w <= n else y @ y.transpose(-2, -1)
+        # torch's batched CPU eigvalsh slows down superlinearly with the batch: solve in slices.
+        eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in matrix.split(_EIG_SLICE)])
+        # Vectors stored in `dtype` give an exactly PSD sum; Grams rounded to `dtype` entry by entry
+        # move eigenvalues by up to about n eps(dtype) max|K| (clipped as round-off).
+        rtol = 10 * matrix.shape[-1] * torch.finfo(self.dtype if gram else torch.float64).eps
+        return spectrum_entropy(eigvals, rtol=rtol)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,19 +452,29 @@ def _entropy_head(model: nn.Module) -> nn.Linear | None:
     return head if isinstance(head, nn.Linear) else None
 
 
+def _set_key(layer_set: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(int(a) for a in layer_set)))
+
+
 def _special_ids(tokenizer: Any) -> list[int]:
     ids = getattr(tokenizer, "all_special_ids", None) or []
     return sorted({int(i) for i in ids if i is not None})
 
 
 class _PassState:
-    """Everything accumulated so far on this rank; saved and restored for resume."""
+    """Everything accumulated so far on this rank; saved and restored for resume.
 
-    def __init__(self, num_layers: int, dim: int, normalize: str, device: torch.device, filtered_only: bool):
+    factors_path: the prompt-mode factor file (None: an anonymous temporary file)."""
+
+    def __init__(
+        self, num_layers: int, dim: int, normalize: str, device: torch.device, filtered_only: bool,
+        factors_path: str | None, factors_dtype: torch.dtype,
+    ):
         self.covariance = StreamingCovariance(num_layers, dim, normalize=normalize, device=device)
         self.hsic = MinibatchHSIC(num_layers, normalize=normalize, device=device)
-        self.grams = PromptGrams()
-        self.grams_unfiltered = None if filtered_only else PromptGrams()
+        self.grams = PromptGrams(dim, factors_path, dtype=factors_dtype)
+        # Unfiltered prompts serve only the variance comparison: per-layer statistics, no factors.
+        self.grams_unfiltered = None if filtered_only else PromptGrams(dim, factors=False)
         self.position = 0  # prompts of this rank's shard already consumed
         self.tokens = {"total": 0, "candidates": 0, "kept": 0}
         self.prompts_without_hsic = 0
@@ -239,10 +488,8 @@ class _PassState:
             "prompts_without_hsic": self.prompts_without_hsic,
             "covariance": self.covariance.state_dict(),
             "hsic": self.hsic.state_dict(),
-            "grams": (self.grams.prompt_index, self.grams.grams),
-            "grams_unfiltered": None
-            if self.grams_unfiltered is None
-            else (self.grams_unfiltered.prompt_index, self.grams_unfiltered.grams),
+            "grams": self.grams.state_dict(),
+            "grams_unfiltered": None if self.grams_unfiltered is None else self.grams_unfiltered.state_dict(),
         }
 
     def load(self, state: dict, fingerprint: str, path: str) -> None:
@@ -256,10 +503,9 @@ class _PassState:
         self.prompts_without_hsic = state["prompts_without_hsic"]
         self.covariance.load_state_dict(state["covariance"])
         self.hsic.load_state_dict(state["hsic"])
-        for store, saved in ((self.grams, state["grams"]), (self.grams_unfiltered, state["grams_unfiltered"])):
-            if store is not None:
-                for index, gram in zip(*saved):
-                    store.add(index, gram)
+        self.grams.load_state_dict(state["grams"])
+        if self.grams_unfiltered is not None:
+            self.grams_unfiltered.load_state_dict(state["grams_unfiltered"])
 
 
 def _save_atomically(obj: Any, path: str) -> None:
@@ -269,15 +515,14 @@ def _save_atomically(obj: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _prompt_grams(rows: list[torch.Tensor], gram_tokens: int, compute_dtype: torch.dtype, store_dtype: torch.dtype) -> torch.Tensor:
-    """[L, g, g] Gram of the centered, L2-normalized rows (n >= 2) of one prompt, g = min(n, gram_tokens)."""
+def _prompt_vectors(rows: list[torch.Tensor], gram_tokens: int | None) -> torch.Tensor:
+    """[L, n, d] float64 prompt-mode vectors of one prompt's rows (n >= 2): centered over the prompt,
+    rows L2-normalized; with `gram_tokens`, at most that many evenly spaced tokens."""
     n = rows[0].shape[0]
-    if n > gram_tokens:
-        # Evenly spaced tokens keep the whole prompt represented at a bounded size.
+    if gram_tokens is not None and n > gram_tokens:
         pick = torch.linspace(0, n - 1, gram_tokens, device=rows[0].device).round().long()
         rows = [r[pick] for r in rows]
-    z = normalize_tokens(torch.stack(rows).to(compute_dtype), "center_l2")
-    return (z @ z.transpose(-2, -1)).to(device="cpu", dtype=store_dtype)
+    return normalize_tokens(torch.stack(rows).to(torch.float64), "center_l2")
 
 
 def analyze(
@@ -292,14 +537,15 @@ def analyze(
     min_token_entropy: float = DEFAULT_MIN_TOKEN_ENTROPY,
     drop_special_tokens: bool = True,
     normalize: str = "l2",
-    gram_tokens: int = 128,
-    gram_dtype: str = "float16",
+    gram_tokens: int | None = None,
+    gram_dtype: str = "float32",
     candidates: Sequence[int] | None = None,
     beta: float = 1.0,
     one_per_compartment: bool = False,
     novelty_half_width: int = 2,
     novelty_threshold: float = 0.1,
     max_exhaustive: int = 1000,
+    screen_z: float = 4.0,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     state_path: str | None = None,
@@ -341,6 +587,7 @@ def analyze(
         novelty_half_width=novelty_half_width,
         novelty_threshold=float(novelty_threshold),
         max_exhaustive=max_exhaustive,
+        screen_z=float(screen_z),
         save_every=save_every,
     )
     options.validate(num_blocks)
@@ -362,14 +609,14 @@ def analyze(
 
     dim = model.get_input_embeddings().weight.shape[1]
     filtered_only = options.min_token_entropy == 0
-    state = _PassState(num_blocks + 1, dim, options.normalize, input_device, filtered_only)
+    factors_path = None if state_path is None else f"{state_path}.factors"
+    state = _PassState(
+        num_blocks + 1, dim, options.normalize, input_device, filtered_only, factors_path, getattr(torch, options.gram_dtype)
+    )
     if state_path is not None and os.path.exists(state_path):
         state.load(torch.load(state_path, weights_only=False), fingerprint, state_path)
 
     head = _entropy_head(model)
-    store_dtype = getattr(torch, options.gram_dtype)
-    # Grams are computed in the precision they are stored in (at least fp32).
-    compute_dtype = torch.float64 if store_dtype == torch.float64 else torch.float32
     remaining = shard[state.position :]
     bar = _progress_bar(sum(len(token_ids[i]) for i in remaining), progress and rank == 0)
     started = time.perf_counter()
@@ -378,8 +625,7 @@ def analyze(
         for start in range(0, len(remaining), options.batch_size):
             batch = remaining[start : start + options.batch_size]
             _process_batch(
-                model, head, [token_ids[i] for i in batch], batch, special, state, options,
-                input_device, compute_dtype, store_dtype, num_blocks,
+                model, head, [token_ids[i] for i in batch], batch, special, state, options, input_device, num_blocks,
             )
             state.position += len(batch)
             bar.update(sum(len(token_ids[i]) for i in batch))
@@ -392,9 +638,12 @@ def analyze(
     if state_path is not None and batches_since_save:
         _save_atomically(state.state_dict(fingerprint), state_path)
 
+    finished = time.perf_counter()
     if world > 1:
-        _reduce_across_ranks(state)
-    return _build_report(model, model_name, state, options, num_blocks, elapsed, len(token_ids))
+        _reduce_across_ranks(state, factors_path)
+    report = _build_report(model, model_name, state, options, num_blocks, elapsed, len(token_ids))
+    report.timing["selection_seconds"] = time.perf_counter() - finished
+    return report
 
 
 def _tokenize(prompts: Sequence[Prompt | str], tokenizer: Any, options: AnalyzeOptions) -> list[list[int]]:
@@ -426,8 +675,6 @@ def _process_batch(
     state: _PassState,
     options: AnalyzeOptions,
     device: torch.device,
-    compute_dtype: torch.dtype,
-    store_dtype: torch.dtype,
     num_blocks: int,
 ) -> None:
     lengths = torch.tensor([len(ids) for ids in batch_ids])
@@ -482,11 +729,9 @@ def _process_batch(
             state.prompts_without_hsic += 1
         if kept >= 2:
             kept_rows = [r[prompt_keep] for r in prompt_rows]
-            state.grams.add(prompt_index, _prompt_grams(kept_rows, options.gram_tokens, compute_dtype, store_dtype))
+            state.grams.add(prompt_index, _prompt_vectors(kept_rows, options.gram_tokens))
         if state.grams_unfiltered is not None and count >= 2:
-            state.grams_unfiltered.add(
-                prompt_index, _prompt_grams(prompt_rows, options.gram_tokens, compute_dtype, store_dtype)
-            )
+            state.grams_unfiltered.add(prompt_index, _prompt_vectors(prompt_rows, options.gram_tokens))
 
 
 def _distributed_rank_world() -> tuple[int, int]:
@@ -497,31 +742,40 @@ def _distributed_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _reduce_across_ranks(state: _PassState) -> None:
-    """Sum accumulators over ranks and gather every rank's Grams, so all ranks hold the totals."""
+def _reduce_across_ranks(state: _PassState, factors_path: str | None) -> None:
+    """Sum accumulators over ranks and gather every rank's prompt-mode records, so that all ranks
+    hold the totals. Records travel by broadcast from each rank in turn, _GATHER_PROMPTS at a time
+    (memory bounded); each rank writes the union to its own factor file."""
     import torch.distributed as dist
 
     state.covariance.all_reduce()
     state.hsic.all_reduce()
-    local = {
-        "tokens": state.tokens,
-        "prompts_without_hsic": state.prompts_without_hsic,
-        "grams": (state.grams.prompt_index, state.grams.grams),
-        "grams_unfiltered": None
-        if state.grams_unfiltered is None
-        else (state.grams_unfiltered.prompt_index, state.grams_unfiltered.grams),
-    }
+    local = {"tokens": state.tokens, "prompts_without_hsic": state.prompts_without_hsic,
+             "counts": (len(state.grams), 0 if state.grams_unfiltered is None else len(state.grams_unfiltered))}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     state.tokens = {key: sum(g["tokens"][key] for g in gathered) for key in state.tokens}
     state.prompts_without_hsic = sum(g["prompts_without_hsic"] for g in gathered)
-    state.grams = PromptGrams()
-    state.grams_unfiltered = None if state.grams_unfiltered is None else PromptGrams()
-    for g in gathered:
-        for store, key in ((state.grams, "grams"), (state.grams_unfiltered, "grams_unfiltered")):
-            if store is not None:
-                for index, gram in zip(*g[key]):
-                    store.add(index, gram)
+    stores = [(state.grams, PromptGrams(state.grams.dim, None if factors_path is None else f"{factors_path}.all",
+                                        dtype=state.grams.dtype))]
+    if state.grams_unfiltered is not None:
+        stores.append((state.grams_unfiltered, PromptGrams(state.grams.dim, factors=False)))
+    rank = dist.get_rank()
+    for which, (local_store, merged) in enumerate(stores):
+        for source, g in enumerate(gathered):
+            count = g["counts"][which]
+            for start in range(0, count, _GATHER_PROMPTS):
+                payload = [list(local_store.records(start, min(count, start + _GATHER_PROMPTS)))] if source == rank else [None]
+                dist.broadcast_object_list(payload, src=source)
+                for record in payload[0]:
+                    merged.add_record(*record)
+    state.grams = stores[0][1]
+    if state.grams_unfiltered is not None:
+        state.grams_unfiltered = stores[1][1]
+
+
+# Prompts per broadcast when ranks exchange prompt-mode records.
+_GATHER_PROMPTS = 16
 
 
 def _fingerprint(model: nn.Module, token_ids: list[list[int]], options: AnalyzeOptions) -> str:
@@ -567,15 +821,14 @@ def _build_report(
             "prompts: no prompt kept enough tokens for the statistics (prompt mode needs >= 2 kept tokens, "
             "CKA >= 4 per prompt); give longer prompts or lower min_token_entropy"
         )
-    grams = state.grams.sorted_by_prompt()
+    grams = state.grams
     entropy_per_prompt = grams.layer_entropies()
     variance = {"filtered": float(entropy_per_prompt.var(0).mean())}
     if state.grams_unfiltered is not None:
-        unfiltered = state.grams_unfiltered.sorted_by_prompt()
-        unfiltered_entropy = unfiltered.layer_entropies()
+        unfiltered_entropy = state.grams_unfiltered.layer_entropies()
         variance["unfiltered"] = float(unfiltered_entropy.var(0).mean())
         variance["reduction"] = 1.0 - variance["filtered"] / variance["unfiltered"] if variance["unfiltered"] > 0 else 0.0
-        variance["unfiltered_prompts"] = len(unfiltered)
+        variance["unfiltered_prompts"] = len(state.grams_unfiltered)
     else:
         unfiltered_entropy = None
     variance["filtered_prompts"] = len(grams)
@@ -583,20 +836,23 @@ def _build_report(
     hsic = state.hsic
     layers = []
     dataset_entropy = state.covariance.entropy().cpu().numpy()
+    dataset_renyi2 = state.covariance.entropy(alpha=2).cpu().numpy()
     for index in range(num_blocks + 1):
         entry = {
             "index": index,
             "entropy_prompt_mean": float(entropy_per_prompt[:, index].mean()),
             "entropy_prompt_std": float(entropy_per_prompt[:, index].std()),
             "entropy_dataset": float(dataset_entropy[index]),
-            "renyi2_dataset": hsic.renyi2_entropy([index]),
+            "renyi2_dataset": float(dataset_renyi2[index]),
         }
         if unfiltered_entropy is not None:
             entry["entropy_prompt_mean_unfiltered"] = float(unfiltered_entropy[:, index].mean())
             entry["entropy_prompt_std_unfiltered"] = float(unfiltered_entropy[:, index].std())
         layers.append(entry)
     memory = {
-        "gram_store_bytes": grams.nbytes + (state.grams_unfiltered.nbytes if state.grams_unfiltered else 0),
+        "gram_store_bytes": grams.nbytes,
+        "gram_store_path": grams.path,
+        "prompt_statistics_bytes": grams.ram_bytes + (state.grams_unfiltered.ram_bytes if state.grams_unfiltered else 0),
         "accumulator_bytes": sum(
             t.numel() * t.element_size()
             for sd in (state.covariance.state_dict(), hsic.state_dict())
@@ -606,6 +862,7 @@ def _build_report(
     }
     tokens = dict(state.tokens)
     tokens["kept_fraction"] = tokens["kept"] / tokens["candidates"] if tokens["candidates"] else 0.0
+    objective = ScreenedObjective(grams.prompt_set_entropy, grams.surrogate, len(grams), options.screen_z)
     report = LayerReport(
         model=model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         num_hidden_layers=num_blocks,
@@ -621,7 +878,11 @@ def _build_report(
         entropy_variance=variance,
         memory=memory,
         timing={"pass_seconds": elapsed},
-        set_entropy=grams.set_entropy,
+        set_entropy=objective,
+        set_renyi2=grams.renyi2_entropy,
     )
     report.compute_selections()
+    report.timing["sets_screened"] = objective.counts["screened"]
+    report.timing["sets_evaluated_exactly"] = objective.counts["evaluated"]
+    report.timing["prompt_set_eigensolves"] = grams.solves
     return report

@@ -33,9 +33,12 @@ class LayerReport:
     layers: N+1 dicts (index, entropy_prompt_mean/std, entropy_dataset, ...); cka: [N+1][N+1];
     selections: {method: {str(m): [layer indices]}}; greedy_gains: each greedy step's gain, with
     search[method][m] = "exhaustive" when the selection is the exact optimum over all m-subsets
-    (then it may differ from the greedy path) or "greedy"; pair_gain[a][b] = f({a, b}) - f({a});
-    set_entropy: f, the prompt-mode Shannon entropy of a layer set's concatenation (available
-    in the session that ran `analyze`, not after `from_json`; a repeated layer counts once).
+    (then it may differ from the greedy path) or "greedy"; pair_gain[a][b] = H2({a, b}) - H2({a}),
+    with H2 the prompt-mode Renyi-2 entropy of the concatenation (exact and O(1) per pair; f's
+    Shannon entropy would cost one eigensolve per pair and prompt); set_entropy: f, the prompt-mode
+    Shannon entropy of a layer set's concatenation, and set_renyi2 its Renyi-2 counterpart
+    (available in the session that ran `analyze`, not after `from_json`; a repeated layer counts
+    once). timing: pass_seconds, selection_seconds (everything after the pass).
     """
 
     model: str
@@ -57,6 +60,7 @@ class LayerReport:
     memory: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     set_entropy: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
+    set_renyi2: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
 
     # -----------------------------------------------------------------------------------------
     # Selection
@@ -89,8 +93,8 @@ class LayerReport:
         self.novelty = sel.novelty_curve(cka, half_width).tolist()
         self.boundaries = sel.novelty_boundaries(cka, half_width, self.options.get("novelty_threshold", 0.1))
         self.compartments = sel.compartments_from_boundaries(self.boundaries, self.num_layers)
-        if self.set_entropy is not None:
-            self.pair_gain = sel.pair_gain_matrix(self._objective("elsi"), list(range(self.num_layers))).tolist()
+        if self.set_renyi2 is not None:
+            self.pair_gain = sel.pair_gain_matrix(self.set_renyi2, list(range(self.num_layers))).tolist()
         for m in self.options.get("m", (1, 3)):
             for method in ("elsi", "elsi-c", "low-entropy", "uniform"):
                 self.select(method, m)
@@ -217,10 +221,19 @@ class LayerReport:
                 f"with the filter ({100 * variance['reduction']:+.1f}% reduction)"
             )
         if self.memory:
+            gram_tokens = self.options.get("gram_tokens")
             lines.append(
-                f"prompt-mode Gram store: {self.memory['gram_store_bytes'] / 2**20:.1f} MiB for "
-                f"{self.prompts.get('in_prompt_mode')} prompts (<= {self.options.get('gram_tokens')} tokens each, "
-                f"{self.options.get('gram_dtype')}); accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
+                f"prompt-mode store: {self.memory['gram_store_bytes'] / 2**20:.1f} MiB on disk for "
+                f"{self.prompts.get('in_prompt_mode')} prompts ("
+                f"{'all kept tokens' if gram_tokens is None else f'<= {gram_tokens} tokens each'}, "
+                f"{self.options.get('gram_dtype')}), {self.memory.get('prompt_statistics_bytes', 0) / 2**20:.1f} MiB "
+                f"in RAM; accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
+            )
+        if "sets_screened" in self.timing:
+            lines.append(
+                f"set searches: {self.timing['sets_screened']} candidate sets screened on prompt samples "
+                f"(Renyi-2 control variate, z={self.options.get('screen_z')}), {self.timing['sets_evaluated_exactly']} "
+                f"evaluated on every prompt; {self.timing['prompt_set_eigensolves']} (set, prompt) eigensolves"
             )
         lines.append("")
         lines.append(f"{'layer':>5}  {'H prompt (mean±std)':>20}  {'H dataset':>9}  {'H2 dataset':>10}  compartment")

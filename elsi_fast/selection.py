@@ -4,6 +4,12 @@ Everything here is plain numpy on small L x L matrices and on a *set function* `
 that maps a list of layer sets (tuples of input-to-layer indices) to their objective values in one
 batched call, so the caller decides how a set's entropy is computed (prompt-mode Shannon entropy
 of the concatenation, dataset-mode Renyi-2, ...).
+
+An objective that is a mean over prompts and costs one eigensolve per prompt and set can come
+with a cheap per-prompt surrogate (`ScreenedObjective`): the searches then estimate every
+candidate set from its surrogate corrected on a small sample of prompts, and evaluate on every
+prompt only the sets that the estimates cannot rule out (`screened_best`). The winners and every
+reported value are exact values.
 """
 
 from __future__ import annotations
@@ -16,6 +22,92 @@ from typing import Callable, Sequence
 import numpy as np
 
 SetFunction = Callable[[Sequence[tuple[int, ...]]], np.ndarray]
+
+# Values this close (relative) are ties, won by the first set in enumeration order: exact ties
+# (identical layers) then do not depend on round-off, which differs between implementations.
+TIE_RTOL = 1e-12
+# Sets per round of a screened search's first stage, and its first prompt sample.
+_SCREEN_ROUND = 8
+_FIRST_SAMPLE = 16
+
+
+@dataclass
+class ScreenedObjective:
+    """A set objective that is a mean over prompts, with a cheap per-prompt surrogate of it.
+
+    values(sets, prompts) -> [len(prompts), len(sets)]: the exact per-prompt values of the given
+    prompt positions (0..num_prompts-1); surrogate(sets) -> [num_prompts, len(sets)]: cheap
+    approximations whose errors vary little across prompts. Calling the object gives the exact
+    means. z: width, in standard errors, of the screen's confidence intervals (inf: exhaustive).
+    """
+
+    values: Callable[[Sequence[tuple[int, ...]], np.ndarray], np.ndarray]
+    surrogate: Callable[[Sequence[tuple[int, ...]]], np.ndarray]
+    num_prompts: int
+    z: float = 4.0
+    # {"screened": sets ranked, "evaluated": sets evaluated on every prompt, "prompt_evaluations":
+    # exact per-prompt values computed}; shared with objectives derived from this one (cka_penalized).
+    counts: dict[str, int] = field(default_factory=lambda: {"screened": 0, "evaluated": 0, "prompt_evaluations": 0})
+
+    def __call__(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+        return np.asarray(self.values(sets, np.arange(self.num_prompts)), dtype=np.float64).mean(0)
+
+
+def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]], maximize: bool = True) -> tuple[int, float]:
+    """(index into `sets`, exact value) of the best set, the first in `sets` among exact ties.
+
+    The mean over prompts of the surrogate is exact and cheap for every set; its error is estimated
+    from exact values on a random sample of prompts (a control variate): est(S) = mean surrogate(S)
+    + sample mean of (exact - surrogate)(S), with standard error se(S) (finite-population corrected).
+    1. Sets are taken in order of their mean surrogate, _SCREEN_ROUND at a time, and estimated on
+       the first sample; taking stops when the next set's mean surrogate plus the largest error
+       seen (+ its spread and z se) cannot reach the leader's lower bound est - z se.
+    2. Racing: sets whose upper bound est + z se is below the leader's lower bound are dropped, the
+       sample grows 4x, until it holds every prompt; the survivors' values are then exact.
+    This is a screen, not a bound: tests compare its picks with brute force, including planted ties.
+    """
+    sign = 1.0 if maximize else -1.0
+    num_prompts = objective.num_prompts
+    per_prompt = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)  # [P, N]
+    approx = per_prompt.mean(0)
+    order = np.argsort(-approx, kind="stable")
+    permutation = np.random.default_rng(len(sets)).permutation(num_prompts)
+    estimate, error = np.full(len(sets), np.nan), np.zeros(len(sets))
+
+    def run(indices: list[int], size: int) -> None:
+        sample = np.sort(permutation[:size])
+        exact = sign * np.asarray(objective.values([sets[i] for i in indices], sample), dtype=np.float64)
+        objective.counts["prompt_evaluations"] += exact.size
+        if size == num_prompts:  # exact means, so that exact ties stay ties
+            estimate[indices], error[indices] = exact.mean(0), 0.0
+            return
+        residual = exact - per_prompt[sample][:, indices]
+        estimate[indices] = approx[indices] + residual.mean(0)
+        error[indices] = residual.std(0, ddof=1) / math.sqrt(size) * math.sqrt(1 - size / num_prompts) if size > 1 else 0.0
+
+    size = num_prompts if math.isinf(objective.z) else min(num_prompts, _FIRST_SAMPLE)
+    alive: list[int] = []
+    for start in range(0, len(order), _SCREEN_ROUND):
+        batch = [int(i) for i in order[start : start + _SCREEN_ROUND]]
+        run(batch, size)
+        alive += batch
+        if math.isinf(objective.z):
+            continue
+        lower = np.max(estimate[alive] - objective.z * error[alive])
+        correction = estimate[alive] - approx[alive]
+        reach = correction.max() + np.ptp(correction) + objective.z * error[alive].max()
+        if start + _SCREEN_ROUND < len(order) and approx[order[start + _SCREEN_ROUND]] + reach < lower:
+            break
+    while size < num_prompts:
+        lower = np.max(estimate[alive] - objective.z * error[alive])
+        alive = [i for i in alive if estimate[i] + objective.z * error[i] >= lower]
+        size = min(num_prompts, 4 * size)
+        run(alive, size)
+    objective.counts["screened"] += len(sets)
+    objective.counts["evaluated"] += len(alive)
+    alive.sort()  # ties go to the first in `sets`
+    pick = alive[_first_best(estimate[alive])]
+    return pick, float(sign * estimate[pick])
 
 
 def _check_square(matrix: np.ndarray, name: str) -> np.ndarray:
@@ -151,11 +243,10 @@ def greedy_select(
     current = 0.0
     for _ in range(m):
         options = [c for c in candidates if _allowed(c, chosen, compartment_of)]
-        values = np.asarray(f([tuple(sorted([*chosen, c])) for c in options]), dtype=np.float64)
-        pick = int(np.argmax(values) if maximize else np.argmin(values))
+        pick, value = _best(f, [tuple(sorted([*chosen, c])) for c in options], maximize)
         chosen.append(options[pick])
-        gains.append(float(values[pick] - current))
-        current = float(values[pick])
+        gains.append(value - current)
+        current = value
     return Selection(layers=sorted(chosen), value=current, gains=gains)
 
 
@@ -179,11 +270,26 @@ def exhaustive_select(
         if compartment_of is None or len({compartment_of[c] for c in s}) == m
     )
     while batch := list(itertools.islice(subsets, chunk)):
-        values = np.asarray(f(batch), dtype=np.float64)
-        pick = int(np.argmax(values) if maximize else np.argmin(values))
-        if best_value is None or (values[pick] > best_value if maximize else values[pick] < best_value):
-            best_set, best_value = batch[pick], float(values[pick])
+        pick, value = _best(f, batch, maximize)
+        tie = TIE_RTOL * max(1.0, abs(value))
+        if best_value is None or (value > best_value + tie if maximize else value < best_value - tie):
+            best_set, best_value = batch[pick], value
     return Selection(layers=list(best_set), value=best_value, exhaustive=True)
+
+
+def _best(f: SetFunction, sets: Sequence[tuple[int, ...]], maximize: bool) -> tuple[int, float]:
+    """(index, value) of the best of `sets` (the first among ties)."""
+    if isinstance(f, ScreenedObjective):
+        return screened_best(f, sets, maximize)
+    values = np.asarray(f(sets), dtype=np.float64)
+    pick = _first_best(values if maximize else -values)
+    return pick, float(values[pick])
+
+
+def _first_best(values: np.ndarray) -> int:
+    """Index of the first value within TIE_RTOL of the maximum."""
+    best = values.max()
+    return int(np.flatnonzero(values >= best - TIE_RTOL * max(1.0, abs(best)))[0])
 
 
 def select(
@@ -220,19 +326,26 @@ def pair_gain_matrix(f: SetFunction, candidates: Sequence[int]) -> np.ndarray:
 
 
 def cka_penalized(f: SetFunction, cka: np.ndarray, beta: float) -> SetFunction:
-    """ELSI-C objective: f(S) - beta * mean over pairs a < b in S of CKA[a, b] (0 for one layer)."""
+    """ELSI-C objective: f(S) - beta * mean over pairs a < b in S of CKA[a, b] (0 for one layer).
+
+    A ScreenedObjective stays one, with the penalty on both its exact values and its surrogate
+    (the penalty is exact, so the surrogate's errors are unchanged)."""
     cka = _check_square(cka, "cka")
     if not np.isfinite(beta) or beta < 0:
         raise ValueError(f"beta: must be a finite number >= 0, got {beta}")
 
-    def penalized(sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        values = np.asarray(f(sets), dtype=np.float64).copy()
-        for i, s in enumerate(sets):
-            if len(s) > 1:
-                values[i] -= beta * np.mean([cka[a, b] for a, b in itertools.combinations(s, 2)])
-        return values
+    def penalty(sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+        return np.array(
+            [beta * np.mean([cka[a, b] for a, b in itertools.combinations(s, 2)]) if len(s) > 1 else 0.0 for s in sets]
+        )
 
-    return penalized
+    if isinstance(f, ScreenedObjective):
+        return ScreenedObjective(
+            lambda sets, prompts: np.asarray(f.values(sets, prompts), dtype=np.float64) - penalty(sets),
+            lambda sets: np.asarray(f.surrogate(sets), dtype=np.float64) - penalty(sets),
+            f.num_prompts, f.z, f.counts,
+        )
+    return lambda sets: np.asarray(f(sets), dtype=np.float64) - penalty(sets)
 
 
 def _compartment_index(

@@ -1,7 +1,9 @@
 """analyze(): statistics equal an independent float64 reference built from output_hidden_states
 (plus an independently hooked h_N); planted structure; resume; bad inputs."""
 
+import itertools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -49,12 +51,13 @@ def _unbiased_hsic_np(x, y):
             - 2 / (n - 2) * one @ k @ l @ one) / (n * (n - 3))
 
 
-def reference_statistics(model, prompts, threshold):
-    """Per-prompt forwards with output_hidden_states for h_0..h_{N-1}; h_N is the input of the final
-    norm (a hook independent of elsi_fast.capture); all math in float64."""
+def reference_kept_rows(model, prompts, threshold):
+    """Per prompt, the kept token rows [n, d] of every layer h_0..h_N in float64, from per-prompt
+    forwards with output_hidden_states (h_N: the input of the final norm, a hook independent of
+    elsi_fast.capture)."""
     captured = {}
     handle = _final_norm(model).register_forward_hook(lambda m, a, o: captured.update(h=a[0]))
-    per_prompt, dataset_rows, hsic_sum = [], None, None
+    per_prompt = []
     try:
         for prompt in prompts:
             ids = torch.tensor([prompt.input_ids])
@@ -67,22 +70,40 @@ def reference_statistics(model, prompts, threshold):
             entropy = -(np.exp(logp) * logp).sum(1)
             positions = np.arange(len(prompt.input_ids))
             keep = (positions >= 1) & ~np.isin(prompt.input_ids, [0, 1]) & (entropy >= threshold)
-            rows = [s[keep] for s in states]
-            if keep.sum() >= 2:  # prompt mode is undefined for one token (it centers to zero)
-                z = [r - r.mean(0) for r in rows]
-                z = [v / np.linalg.norm(v, axis=1, keepdims=True) for v in z]
-                per_prompt.append([_entropy_np(np.linalg.eigvalsh(v @ v.T)) for v in z])
-            normed = [r / np.linalg.norm(r, axis=1, keepdims=True) for r in rows]
-            dataset_rows = normed if dataset_rows is None else [np.vstack([a, b]) for a, b in zip(dataset_rows, normed)]
-            if keep.sum() >= 4:
-                h = np.array([[_unbiased_hsic_np(a, b) for b in normed] for a in normed])
-                hsic_sum = h if hsic_sum is None else hsic_sum + h
+            per_prompt.append([s[keep] for s in states])
     finally:
         handle.remove()
-    per_prompt = np.array(per_prompt)
-    dataset = [_entropy_np(np.linalg.eigvalsh(np.cov(r.T, bias=True))) for r in dataset_rows]
+    return per_prompt
+
+
+def reference_prompt_vectors(model, prompts, threshold):
+    """Per prompt with >= 2 kept tokens (prompt mode is undefined for one token: it centers to
+    zero), the prompt-mode vectors of every layer: centered over the prompt, rows L2-normalized."""
+    out = []
+    for rows in reference_kept_rows(model, prompts, threshold):
+        if rows[0].shape[0] >= 2:
+            z = [r - r.mean(0) for r in rows]
+            out.append([v / np.linalg.norm(v, axis=1, keepdims=True) for v in z])
+    return out
+
+
+def reference_statistics(model, prompts, threshold):
+    """Per-prompt prompt-mode entropies [P, L], dataset-mode Shannon and Renyi-2 entropies [L] and
+    the minibatch CKA [L, L], all in float64 numpy."""
+    per_prompt = [[_entropy_np(np.linalg.eigvalsh(v @ v.T)) for v in z]
+                  for z in reference_prompt_vectors(model, prompts, threshold)]
+    dataset_rows, hsic_sum = None, None
+    for rows in reference_kept_rows(model, prompts, threshold):
+        normed = [r / np.linalg.norm(r, axis=1, keepdims=True) for r in rows]
+        dataset_rows = normed if dataset_rows is None else [np.vstack([a, b]) for a, b in zip(dataset_rows, normed)]
+        if rows[0].shape[0] >= 4:
+            h = np.array([[_unbiased_hsic_np(a, b) for b in normed] for a in normed])
+            hsic_sum = h if hsic_sum is None else hsic_sum + h
+    spectra = [np.clip(np.linalg.eigvalsh(np.cov(r.T, bias=True)), 0, None) for r in dataset_rows]
+    dataset = [_entropy_np(lam) for lam in spectra]
+    renyi2 = [-np.log((lam**2).sum() / lam.sum() ** 2) for lam in spectra]
     cka = hsic_sum / np.sqrt(np.outer(np.diag(hsic_sum), np.diag(hsic_sum)))
-    return per_prompt, np.array(dataset), cka
+    return np.array(per_prompt), np.array(dataset), np.array(renyi2), cka
 
 
 def _midpoint_threshold(model, prompts):
@@ -108,12 +129,14 @@ def test_statistics_equal_independent_reference(arch):
     threshold = _midpoint_threshold(model, prompts)
     report = analyze(model, SpecialIds(), prompts, m=(1, 2), batch_size=4, min_token_entropy=threshold,
                      gram_dtype="float64", progress=False)
-    per_prompt, dataset, cka = reference_statistics(model, prompts, threshold)
+    per_prompt, dataset, renyi2, cka = reference_statistics(model, prompts, threshold)
     got_mean = [e["entropy_prompt_mean"] for e in report.layers]
     got_std = [e["entropy_prompt_std"] for e in report.layers]
     np.testing.assert_allclose(got_mean, per_prompt.mean(0), rtol=1e-5)
     np.testing.assert_allclose(got_std, per_prompt.std(0), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose([e["entropy_dataset"] for e in report.layers], dataset, rtol=1e-5)
+    # the "H2 dataset" column is the Renyi-2 entropy of the dataset covariance, between-prompt variance included
+    np.testing.assert_allclose([e["renyi2_dataset"] for e in report.layers], renyi2, rtol=1e-5)
     np.testing.assert_allclose(np.array(report.cka), cka, rtol=1e-4, atol=1e-6)
     assert [e["index"] for e in report.layers] == list(range(5))
     assert 0 < report.tokens["kept"] < report.tokens["candidates"]
@@ -152,6 +175,116 @@ def test_planted_identity_blocks_give_known_compartments_and_picks():
     # ELSI's concatenation may weight a run twice (K_1 + 2 K_6); the CKA penalty of a copy (CKA = 1)
     # makes ELSI-C take one layer per run.
     assert sorted(runs[l] for l in report.select("elsi-c", 3)) == ["a", "b", "c"]
+
+
+def brute_force_set_entropy(grams):
+    """The definition, reference for the screened searches: f(S) = mean over prompts of
+    H1(sum_{a in S} K_a), one n x n eigensolve per prompt and set, float64 numpy.
+    grams: per prompt, the layers' Grams K_a [n, n]."""
+    cache = {}
+
+    def f(layer_set):
+        key = tuple(sorted(set(layer_set)))
+        if key not in cache:
+            cache[key] = float(np.mean([_entropy_np(np.linalg.eigvalsh(sum(k[a] for a in key))) for k in grams]))
+        return cache[key]
+
+    return f
+
+
+def first_best(values):
+    """The first index among values equal to the maximum up to round-off (TIE_RTOL)."""
+    values = np.asarray(values)
+    return int(np.flatnonzero(values >= values.max() - 1e-12 * max(1.0, abs(values.max())))[0])
+
+
+def brute_force_select(f, candidates, m, maximize=True, penalty=lambda s: 0.0, max_exhaustive=1000):
+    """(layers, greedy gains) by the definitions of DESIGN.md section 4, evaluating every set."""
+    sign = 1 if maximize else -1
+    g = lambda s: f(s) - penalty(s)  # noqa: E731
+    chosen, gains, current = [], [], 0.0
+    for _ in range(m):
+        options = [c for c in candidates if c not in chosen]
+        values = [sign * g(tuple(sorted([*chosen, c]))) for c in options]
+        pick = first_best(values)
+        chosen.append(options[pick])
+        gains.append(sign * values[pick] - current)
+        current = sign * values[pick]
+    if math.comb(len(candidates), m) <= max_exhaustive:
+        subsets = list(itertools.combinations(candidates, m))
+        return list(subsets[first_best([sign * g(s) for s in subsets])]), gains
+    return sorted(chosen), gains
+
+
+def check_selections_equal_brute_force(model, prompts, threshold, **options):
+    """Brute force runs on the analysis' own float64 prompt vectors (an independent forward differs
+    by fp32 round-off, ~1e-8 nats), checked against the independent reference first."""
+    report = analyze(model, SpecialIds(), prompts, min_token_entropy=threshold, gram_dtype="float64",
+                     progress=False, **options)
+    store = report.set_entropy.values.__self__
+    grams = [store.prompt_grams(i).numpy() for i in np.argsort(store.prompt_index)]
+    reference = reference_prompt_vectors(model, prompts, threshold)
+    for k, z in zip(grams, reference):
+        np.testing.assert_allclose(k, [v @ v.T for v in z], atol=1e-5)
+    f = brute_force_set_entropy(grams)
+    cka = np.array(report.cka)
+    beta = report.options["beta"]
+    penalty = lambda s: beta * np.mean([cka[a, b] for a, b in itertools.combinations(s, 2)]) if len(s) > 1 else 0.0  # noqa: E731
+    candidates = list(range(1, report.num_hidden_layers))
+    for m in report.options["m"]:
+        for method, kwargs in (("elsi", {}), ("elsi-c", {"penalty": penalty}),
+                               ("low-entropy", {"maximize": False})):
+            pool = [0, *candidates] if method == "low-entropy" else candidates
+            layers, gains = brute_force_select(f, pool, m, max_exhaustive=report.options["max_exhaustive"], **kwargs)
+            assert report.selections[method][str(m)] == layers, (method, m)
+            assert report.set_values[method][str(m)] == pytest.approx(f(tuple(layers)), abs=1e-9)
+            np.testing.assert_allclose(report.greedy_gains[method][str(m)], gains, rtol=0, atol=1e-9)
+        uniform = report.selections["uniform"][str(m)]
+        assert report.set_values["uniform"][str(m)] == pytest.approx(f(tuple(uniform)), abs=1e-9)
+    # pair gains: the prompt-mode Renyi-2 entropy of the concatenation, -log(tr K^2 / (tr K)^2)
+    def h2(layer_set):
+        return np.mean([-np.log(np.trace(k @ k) / np.trace(k) ** 2) for k in (sum(g[a] for a in layer_set) for g in grams)])
+    gain = np.array(report.pair_gain)
+    for a, b in ((1, 2), (0, report.num_hidden_layers), (2, 1)):
+        assert gain[a, b] == pytest.approx(h2((a, b)) - h2((a,)), abs=1e-9)
+    assert report.timing["sets_evaluated_exactly"] <= report.timing["sets_screened"]
+    return report
+
+
+@pytest.mark.parametrize("lengths", [(12, 22), (40, 60), (20, 50)], ids=["grams", "rows", "mixed"])
+def test_screened_selections_equal_brute_force(lengths):
+    """Short prompts store Grams (n < d = 32), long ones the vectors themselves (n >= d); set
+    entropies are solved on the smaller side. Picks, set values and greedy gains equal the
+    brute-force definitions to 1e-9; m = 2 is exhaustive, m = 3 greedy (C(6, 3) > max_exhaustive)."""
+    model = tiny_model("llama", num_hidden_layers=7, seed=12)
+    prompts = make_prompts(40, seed=12, min_len=lengths[0], max_len=lengths[1])  # > 16: the screen samples prompts
+    check_selections_equal_brute_force(model, prompts, _midpoint_threshold(model, prompts), m=(1, 2, 3),
+                                       max_exhaustive=16)
+
+
+def test_screened_selections_equal_brute_force_on_planted_ties():
+    """Identity blocks make whole runs of layers exactly equal (exact ties in every search): the
+    screen must still return brute force's first-in-order winner."""
+    model = planted_model()
+    report = check_selections_equal_brute_force(model, make_prompts(24, seed=6, min_len=30, max_len=40), 0.0,
+                                                 m=(2, 3, 4), max_exhaustive=40)
+    assert report.timing["sets_evaluated_exactly"] < report.timing["sets_screened"] / 2
+
+
+def test_prompt_statistics_use_all_kept_tokens_and_spill_to_the_run_folder(tmp_path):
+    """More kept tokens than the former 128-token cap: the per-layer entropies equal the
+    all-token reference, and the factors live in a file next to the state, sized as documented."""
+    model = tiny_model("llama", seed=8, max_position_embeddings=256)
+    prompts = make_prompts(3, seed=8, min_len=150, max_len=170)
+    state = str(tmp_path / "state.pt")
+    report = analyze(model, SpecialIds(), prompts, m=(1,), min_token_entropy=0, state_path=state, progress=False)
+    per_prompt, *_ = reference_statistics(model, prompts, 0.0)
+    np.testing.assert_allclose([e["entropy_prompt_mean"] for e in report.layers], per_prompt.mean(0), rtol=1e-9)
+    vectors = reference_prompt_vectors(model, prompts, 0.0)
+    expected = sum(len(z) * z[0].shape[0] * min(z[0].shape) * 4 for z in vectors)  # float32, n x min(n, d) per layer
+    assert report.memory["gram_store_bytes"] == expected == os.path.getsize(state + ".factors")
+    assert report.memory["prompt_statistics_bytes"] < expected
+    assert report.timing["selection_seconds"] > 0 and report.timing["pass_seconds"] > 0
 
 
 class _Interrupt(Exception):

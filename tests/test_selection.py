@@ -132,3 +132,59 @@ def test_baselines():
         sel.eagle3_layers(2)
     with pytest.raises(ValueError, match="m"):
         sel.uniform_layers(4, 5)
+
+
+def _prompt_objective(table, num_prompts, noise, seed, z=4.0):
+    """A ScreenedObjective whose per-prompt values scatter around table[S] (prompt effects shared
+    by all sets plus set-specific ones), with a surrogate off by a per-set bias of up to `noise`
+    and prompt-level noise: what the screen assumes of a good control variate."""
+    rng = np.random.default_rng(seed)
+    keys = list(table)
+    shared = rng.normal(0, 0.3, num_prompts)
+    shared -= shared.mean()
+    own = {k: rng.normal(0, 0.05, num_prompts) for k in keys}
+    own = {k: v - v.mean() for k, v in own.items()}  # so that the mean over prompts is table[k]
+    bias = {k: rng.uniform(-noise, noise) for k in keys}
+    jitter = {k: rng.normal(0, 0.01, num_prompts) for k in keys}
+    per_prompt = {k: table[k] + shared + own[k] for k in keys}
+    values = lambda sets, prompts: np.stack([per_prompt[tuple(s)][prompts] for s in sets], 1)  # noqa: E731
+    surrogate = lambda sets: np.stack([per_prompt[tuple(s)] - bias[tuple(s)] + jitter[tuple(s)] for s in sets], 1)  # noqa: E731
+    return sel.ScreenedObjective(values, surrogate, num_prompts, z=z), lambda sets: np.array([table[tuple(s)] for s in sets])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_screened_search_equals_brute_force_and_evaluates_few_sets(seed):
+    rng = np.random.default_rng(seed)
+    table = {s: rng.normal() for r in range(1, 4) for s in itertools.combinations(range(9), r)}
+    objective, plain = _prompt_objective(table, 200, noise=0.05, seed=seed)
+    for m in (1, 2, 3):
+        for maximize in (True, False):
+            assert (sel.exhaustive_select(objective, range(9), m, maximize=maximize).layers
+                    == sel.exhaustive_select(plain, range(9), m, maximize=maximize).layers)
+            screened = sel.greedy_select(objective, range(9), m, maximize=maximize)
+            brute = sel.greedy_select(plain, range(9), m, maximize=maximize)
+            assert screened.layers == brute.layers
+            np.testing.assert_allclose(screened.gains, brute.gains, rtol=0, atol=1e-12)  # exact values
+    assert objective.counts["evaluated"] < objective.counts["screened"] / 4
+    assert objective.counts["prompt_evaluations"] < objective.counts["screened"] * 200 / 4
+
+
+def test_screen_keeps_the_first_of_exact_ties_and_counts_penalized_work():
+    table = {(0,): 1.0, (1,): 2.0, (2,): 2.0, (3,): 2.0, (4,): 0.5}
+    objective, _ = _prompt_objective(table, 50, noise=0.0, seed=0)
+    objective.values = lambda sets, prompts: np.stack([np.full(len(prompts), table[tuple(s)]) for s in sets], 1)
+    assert sel.screened_best(objective, [(4,), (3,), (1,), (2,)]) == (1, 2.0)  # (3,) comes first in `sets`
+    penalized = sel.cka_penalized(objective, np.eye(5), beta=1.0)
+    assert isinstance(penalized, sel.ScreenedObjective)
+    before = objective.counts["screened"]
+    assert sel.screened_best(penalized, [(0,), (4,)], maximize=False) == (1, 0.5)
+    assert objective.counts["screened"] == before + 2
+
+
+def test_screen_with_infinite_z_is_exhaustive():
+    # An adversarial surrogate (inverted order) can hide the optimum from a finite screen only.
+    table = {(i,): float(i) for i in range(20)}
+    objective, _ = _prompt_objective(table, 30, noise=0.0, seed=1, z=np.inf)
+    objective.surrogate = lambda sets: -np.stack([np.full(30, table[tuple(s)]) for s in sets], 1)
+    assert sel.screened_best(objective, list(table)) == (19, pytest.approx(19.0))
+    assert objective.counts["evaluated"] == 20

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--min-token-entropy", type=float, default=DEFAULT_MIN_TOKEN_ENTROPY,
         help=f"keep tokens whose next-token entropy is at least this many nats; 0 disables (default {DEFAULT_MIN_TOKEN_ENTROPY})",
     )
-    parser.add_argument("--gram-tokens", type=int, default=128, help="tokens per prompt kept for prompt-mode set entropies")
+    parser.add_argument("--gram-tokens", type=int, default=None,
+                        help="cap on the tokens per prompt of the prompt-mode statistics (default: all kept tokens)")
     parser.add_argument("--beta", type=float, default=1.0, help="ELSI-C CKA penalty weight")
     parser.add_argument("--one-per-compartment", action="store_true", help="ELSI-C: at most one layer per compartment")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/state.pt of an interrupted run")
@@ -116,6 +117,7 @@ def handler(args: argparse.Namespace) -> int:
         json.dump(configs, f, indent=1)
 
     print(report.table())
+    print(f"\npass {report.timing['pass_seconds']:.1f} s, selection {report.timing['selection_seconds']:.1f} s")
     m = 3 if 3 in args.m else max(args.m)
     print(f"\nserving (ELSI, m={m}); all methods and engines in serving_configs.json:")
     for engine in ENGINES:
