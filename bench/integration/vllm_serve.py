@@ -259,12 +259,12 @@ def serve(job_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(
         model=job["target"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
-        enforce_eager=True, max_num_seqs=1, skip_tokenizer_init=True,
+        enforce_eager=True, max_num_seqs=1,
         speculative_config={"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]},
         per_request_spec_decode_metrics="detailed", disable_log_stats=False,
     )
     init_seconds = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
     generate_seconds = time.perf_counter() - start
@@ -274,7 +274,8 @@ def serve(job_path: str) -> None:
     for output in outputs:
         completion = output.outputs[0]
         metrics = completion.spec_decode_metrics
-        results.append({"tokens": list(completion.token_ids), "per_step_accepted": list(metrics.per_step_accepted),
+        results.append({"tokens": list(completion.token_ids), "text": completion.text,
+                        "per_step_accepted": list(metrics.per_step_accepted),
                         "per_step_drafted": list(metrics.per_step_drafted)})
     import vllm
 
@@ -381,7 +382,7 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
                 "eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states", "draft_vocab_size",
                 "target_hidden_size")},
             "train_steps": args.steps, "train_tokens": args.steps * args.batch_size * args.seq_len,
-            "train_final_loss": summary["final_loss"],
+            "train_final_loss": summary["final_loss"], "train_seconds": summary["seconds_this_run"],
             "train_final_top1": statistics.mean(h["top1"] for h in summary["history"][-10:]),
             "eval_draft_seconds": eval_seconds, "vllm_seconds": serve_seconds,
             "vllm_init_seconds": served["init_seconds"], "vllm_generate_seconds": served["generate_seconds"],
@@ -393,7 +394,9 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
         rows.append(record("vllm_integration_cpu", "vllm_eagle3_serving", "greedy_equal_fraction",
                            vllm_equal / len(prompts), "fraction", device=device, params={
                                "label": label, "layers": summary["layers"], "prompts": len(prompts),
-                               "max_new_tokens": args.max_new_tokens, "reference": "transformers generate, greedy"}))
+                               "max_new_tokens": args.max_new_tokens,
+                               "reference": "transformers, argmax of a full forward per token",
+                               "sample_vllm_text": served["requests"][0]["text"]}))
         print(f"{label} {summary['layers']}: vLLM mean acceptance length {vllm_al:.3f} vs elsi-fast eval-draft tau "
               f"{tau_cli:.3f} (ratio {vllm_al / tau_cli:.4f}); capped to elsi-fast's round budgets {capped_al:.3f}; "
               f"rounds agreeing {agree}/{rounds}; greedy equal: vLLM {vllm_equal}/{len(prompts)}, "
