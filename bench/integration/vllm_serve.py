@@ -307,6 +307,46 @@ def round_budgets(accepted: list[int], k: int, max_new_tokens: int) -> list[int]
     return budgets
 
 
+def compare(spec: list, served: dict, reference: list[list[int]], k: int, max_new_tokens: int) -> dict:
+    """elsi-fast's `SpecResult`s against vLLM's output for the same prompts, round by round."""
+    rounds = agree = capped_accepted = 0
+    for s, r in zip(spec, served["requests"]):
+        budgets = round_budgets(s.accepted_lengths, k, max_new_tokens)
+        theirs = r["per_step_accepted"]
+        agree += sum(mine == min(t, b) for mine, t, b in zip(s.accepted_lengths, theirs, budgets))
+        rounds += max(len(s.accepted_lengths), len(theirs))
+        capped_accepted += sum(min(t, b) for t, b in zip(theirs, budgets))
+    counters = served["counters"]
+    drafts, accepted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_accepted_tokens"]
+    steps = sum(len(r["per_step_accepted"]) for r in served["requests"])
+    elsi_rounds = sum(s.rounds for s in spec)
+    return {
+        "vllm_mean_acceptance_length": 1 + accepted / drafts, "vllm_drafts": drafts, "vllm_accepted_tokens": accepted,
+        "vllm_accepted_per_pos": counters.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
+        "elsi_fast_tau_recomputed": (sum(sum(s.accepted_lengths) for s in spec) + elsi_rounds) / elsi_rounds,
+        "vllm_al_capped_to_elsi_budget": 1 + capped_accepted / steps, "rounds_agreeing": agree, "rounds": rounds,
+        "greedy_equal_vllm": sum(r["tokens"] == ref for r, ref in zip(served["requests"], reference)),
+        "greedy_equal_elsi_fast": sum(s.tokens.tolist() == ref for s, ref in zip(spec, reference)),
+    }
+
+
+def without_top_level_ids(draft_dir: Path, dest: Path) -> Path:
+    """A copy of a draft whose config lacks the top-level `eagle_aux_hidden_state_layer_ids`.
+
+    vLLM then takes `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer, one less)
+    as the target's capture ids: the draft is fed the states one block too early. Serving it is
+    the negative control showing that the comparison notices wrong hidden states.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((draft_dir / "config.json").read_text())
+    config.pop("eagle_aux_hidden_state_layer_ids")
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    weights = dest / "model.safetensors"
+    if not weights.exists():
+        weights.symlink_to((draft_dir / "model.safetensors").resolve())
+    return dest
+
+
 def measure(args, plan: dict, python: Path) -> list[dict]:
     import torch
 
@@ -323,10 +363,37 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     model, tokenizer = load_target(plan["target"])
     prompts = prompts_by_category(str(eval_file), tokenizer, None, args.prompt_tokens)["heldout"]
     reference = [greedy_decode(model, ids, args.max_new_tokens) for ids in prompts]
-    rows = []
+    device = device_name("cpu", args.threads)
+    common = {"k": args.k, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+              "prompt_tokens": args.prompt_tokens, "prompt_source": "held-out corpus windows",
+              "vllm_dtype": "float32", "vllm_max_num_seqs": 1, "threads": args.threads}
+
+    def vllm_run(draft_dir: Path, run_dir: Path) -> tuple[dict, float]:
+        start = time.perf_counter()
+        served = _vllm_serve(python, {
+            "target": plan["target"], "draft": str(draft_dir), "k": args.k, "max_new_tokens": args.max_new_tokens,
+            "max_model_len": args.prompt_tokens + args.max_new_tokens + args.k + 8, "prompts": prompts,
+            "result": str(run_dir / "vllm.json")}, args.threads)
+        return served, time.perf_counter() - start
+
+    def report(label: str, layers, result: dict, tau: float, params: dict) -> None:
+        al = result["vllm_mean_acceptance_length"]
+        params = {"label": label, "layers": layers, **common, **result, "elsi_fast_tau_eval_draft": tau, **params,
+                  "greedy_equal_vllm": f"{result['greedy_equal_vllm']}/{len(prompts)}",
+                  "greedy_equal_elsi_fast": f"{result['greedy_equal_elsi_fast']}/{len(prompts)}",
+                  "loadavg": os.getloadavg()}
+        rows.append(record("vllm_integration_cpu", "vllm_eagle3_serving", "mean_acceptance_length", al,
+                           "tokens/step", device=device, baseline=tau, ratio=al / tau, params=params))
+        print(f"{label} {layers}: vLLM mean acceptance length {al:.3f} vs elsi-fast eval-draft tau {tau:.3f} "
+              f"(ratio {al / tau:.4f}); capped to elsi-fast's round budgets {result['vllm_al_capped_to_elsi_budget']:.3f}; "
+              f"rounds agreeing {result['rounds_agreeing']}/{result['rounds']}; greedy equal: vLLM "
+              f"{params['greedy_equal_vllm']}, elsi-fast {params['greedy_equal_elsi_fast']}", flush=True)
+
+    rows: list[dict] = []
+    spec_by_draft = {}
     for label, method, m in DRAFTS:
-        draft_dir = out / "drafts" / f"{method}-m{m}"
-        run_dir = out / "runs" / f"{method}-m{m}"
+        name = f"{method}-m{m}"
+        draft_dir, run_dir = out / "drafts" / name, out / "runs" / name
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         _cli(["eval-draft", "--target", plan["target"], "--draft", str(draft_dir), "--prompts", str(eval_file),
@@ -334,51 +401,18 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
               "--max-prompt-tokens", str(args.prompt_tokens), "--device", "cpu", "--json", str(run_dir / "eval.json"),
               "--no-progress"])
         eval_seconds = time.perf_counter() - start
-        tau_cli = json.loads((run_dir / "eval.json").read_text())["tau"]["all"]
+        tau = json.loads((run_dir / "eval.json").read_text())["tau"]["all"]
 
         # The same decoding, per prompt, for a round-by-round comparison with vLLM.
         draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
         spec = [speculative_generate(model, draft, torch.tensor(ids), args.max_new_tokens, args.k) for ids in prompts]
-
-        start = time.perf_counter()
-        served = _vllm_serve(python, {
-            "target": plan["target"], "draft": str(draft_dir), "k": args.k, "max_new_tokens": args.max_new_tokens,
-            "max_model_len": args.prompt_tokens + args.max_new_tokens + args.k + 8, "prompts": prompts,
-            "result": str(run_dir / "vllm.json")}, args.threads)
-        serve_seconds = time.perf_counter() - start
-
-        vllm_equal = sum(r["tokens"] == ref for r, ref in zip(served["requests"], reference))
-        elsi_equal = sum(s.tokens.tolist() == ref for s, ref in zip(spec, reference))
-        rounds = agree = 0
-        vllm_accepted = elsi_accepted = capped_accepted = 0
-        for s, r in zip(spec, served["requests"]):
-            budgets = round_budgets(s.accepted_lengths, args.k, args.max_new_tokens)
-            for i, (mine, theirs) in enumerate(zip(s.accepted_lengths, r["per_step_accepted"])):
-                agree += mine == min(theirs, budgets[i])
-            rounds += max(len(s.accepted_lengths), len(r["per_step_accepted"]))
-            vllm_accepted += sum(r["per_step_accepted"])
-            elsi_accepted += sum(s.accepted_lengths)
-            capped_accepted += sum(min(t, b) for t, b in zip(r["per_step_accepted"], budgets))
-        c = served["counters"]
-        drafts, accepted = c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"]
-        vllm_al = 1 + accepted / drafts
-        elsi_rounds = sum(s.rounds for s in spec)
-        tau_spec = (elsi_accepted + elsi_rounds) / elsi_rounds
-        vllm_steps = sum(len(r["per_step_accepted"]) for r in served["requests"])
-        capped_al = 1 + capped_accepted / vllm_steps
+        spec_by_draft[name] = (tau, spec)
+        served, serve_seconds = vllm_run(draft_dir, run_dir)
         summary = json.loads((draft_dir / "train_summary.json").read_text())
-        draft_config = json.loads((draft_dir / "config.json").read_text())
-        params = {
-            "label": label, "layers": summary["layers"], "k": args.k, "max_new_tokens": args.max_new_tokens,
-            "prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "prompt_source": "held-out corpus windows",
-            "vllm_version": served["vllm_version"], "vllm_dtype": "float32", "vllm_max_num_seqs": 1,
-            "vllm_drafts": drafts, "vllm_accepted_tokens": accepted,
-            "vllm_accepted_per_pos": c.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
-            "elsi_fast_tau_eval_draft": tau_cli, "elsi_fast_tau_recomputed": tau_spec,
-            "vllm_al_capped_to_elsi_budget": capped_al,
-            "rounds_agreeing": agree, "rounds": rounds,
-            "greedy_equal_vllm": f"{vllm_equal}/{len(prompts)}", "greedy_equal_elsi_fast": f"{elsi_equal}/{len(prompts)}",
-            "draft_config_fields": {key: draft_config.get(key) for key in (
+        config = json.loads((draft_dir / "config.json").read_text())
+        report(label, summary["layers"], compare(spec, served, reference, args.k, args.max_new_tokens), tau, {
+            "vllm_version": served["vllm_version"],
+            "draft_config_fields": {key: config.get(key) for key in (
                 "eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states", "draft_vocab_size",
                 "target_hidden_size")},
             "train_steps": args.steps, "train_tokens": args.steps * args.batch_size * args.seq_len,
@@ -386,21 +420,22 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
             "train_final_top1": statistics.mean(h["top1"] for h in summary["history"][-10:]),
             "eval_draft_seconds": eval_seconds, "vllm_seconds": serve_seconds,
             "vllm_init_seconds": served["init_seconds"], "vllm_generate_seconds": served["generate_seconds"],
-            "threads": args.threads, "loadavg": os.getloadavg(),
-        }
-        device = device_name("cpu", args.threads)
-        rows.append(record("vllm_integration_cpu", "vllm_eagle3_serving", "mean_acceptance_length", vllm_al,
-                           "tokens/step", device=device, baseline=tau_cli, ratio=vllm_al / tau_cli, params=params))
-        rows.append(record("vllm_integration_cpu", "vllm_eagle3_serving", "greedy_equal_fraction",
-                           vllm_equal / len(prompts), "fraction", device=device, params={
-                               "label": label, "layers": summary["layers"], "prompts": len(prompts),
-                               "max_new_tokens": args.max_new_tokens,
-                               "reference": "transformers, argmax of a full forward per token",
-                               "sample_vllm_text": served["requests"][0]["text"]}))
-        print(f"{label} {summary['layers']}: vLLM mean acceptance length {vllm_al:.3f} vs elsi-fast eval-draft tau "
-              f"{tau_cli:.3f} (ratio {vllm_al / tau_cli:.4f}); capped to elsi-fast's round budgets {capped_al:.3f}; "
-              f"rounds agreeing {agree}/{rounds}; greedy equal: vLLM {vllm_equal}/{len(prompts)}, "
-              f"elsi-fast {elsi_equal}/{len(prompts)}", flush=True)
+            "sample_vllm_text": served["requests"][0]["text"]})
+
+    label, method, m = DRAFTS[0]
+    name = f"{method}-m{m}"
+    tau, spec = spec_by_draft[name]
+    spec_layers = json.loads((out / "drafts" / name / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    control_dir = without_top_level_ids(out / "drafts" / name, out / "drafts" / f"{name}-no-top-level-ids")
+    run_dir = out / "runs" / control_dir.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    served, serve_seconds = vllm_run(control_dir, run_dir)
+    layers = json.loads((control_dir / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    report(f"{label}, config without the top-level ids (negative control)", layers,
+           compare(spec, served, reference, args.k, args.max_new_tokens), tau,
+           {"vllm_version": served["vllm_version"], "vllm_seconds": serve_seconds,
+            "note": "vLLM falls back to eagle_config's output-of-layer ids as the target's capture ids: "
+                    f"the draft trained on input-to-layer ids {spec_layers} is fed {layers}"})
     return rows
 
 
