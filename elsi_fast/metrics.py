@@ -30,7 +30,7 @@ _GRAM_BLOCK_ELEMS = 1 << 24
 # Token rows per Gram tile: more tiles skip more of the lower triangle, smaller ones run the GEMMs
 # less efficiently and sync threads more often; 128 was fastest at n=512, d=256 at 1 and 2 threads.
 _GRAM_TILE_ROWS = 128
-# fp32 logits materialized at once by token_entropy's default chunking (2 MiB): each of its five
+# fp32 logits materialized at once by token_entropy's default chunking (2 MiB): each of its
 # passes then re-reads the chunk from cache, not memory. 2^22 (16 MiB) was 1.6-2.8x slower at
 # 64 x 152k (bench/run_metrics.py).
 _ENTROPY_CHUNK_ELEMS = 1 << 19
@@ -304,13 +304,18 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor, unbiased: bool = False) -> torc
 
 
 def _entropy_rows_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax over the last dim of a [rows, V] chunk, in fp32 with two temporaries."""
+    """Entropy of softmax over the last dim of a [rows, V] chunk, in fp32 with two temporaries.
+
+    With z = logit - max, e = exp(z), s = sum e: H = log s - sum(e z) / s. torch's fused softmax
+    gives p = e / s' (its exp is faster than torch.exp); s' may differ from s in the last bits,
+    which c = sum p (pairwise) measures: s = s' c, and max p = e^0 / s' = 1 / s', so
+    H = log(c / max p) - sum(p z) / c.
+    """
     z = logits.to(torch.float32, copy=True)
     z -= z.amax(-1, keepdim=True)
-    e = torch.exp(z)
-    s = e.sum(-1)
-    # H = log s - sum(e z) / s with z = logit - max
-    return torch.log(s) - e.mul_(z).sum(-1) / s
+    p = torch.softmax(z, -1)
+    c = p.sum(-1)
+    return torch.log(c / p.amax(-1)) - p.mul_(z).sum(-1) / c
 
 
 def _token_entropy_into(out: torch.Tensor, logits: torch.Tensor, chunk_size: int) -> None:
@@ -332,7 +337,7 @@ def token_entropy(logits: torch.Tensor, chunk_size: int | None = None) -> torch.
     """Predictive entropy in nats of softmax(logits) over the last dim: [..., V] -> [...] float32.
 
     H = log s - sum_v e_v z_v / s with z = logits - max, e = exp(z), s = sum e, computed in fp32
-    `chunk_size` rows at a time (default: as many rows as fit in 2^19 fp32 elements), so a bf16
+    (through torch's softmax, see _entropy_rows_fp32) `chunk_size` rows at a time (default: as many rows as fit in 2^19 fp32 elements), so a bf16
     [n, 256k] tensor is never copied to fp32 whole.
     Precision: fp32 with torch's exp and pairwise sums; measured error against a float64
     reference below 1e-6 nats at 64 x 151936 (the log_softmax one-liner and its torch.compile
