@@ -141,7 +141,7 @@ def logits(request) -> torch.Tensor:
 
 @pytest.mark.benchmark(group="cka_matrix L=37 n=512 d=256")
 def test_cka_matrix(benchmark, cka_xs):
-    benchmark(cka_matrix, cka_xs)
+    benchmark(cka_matrix, cka_xs, dtype=cka_xs.dtype)
 
 
 @pytest.mark.benchmark(group="cka_matrix L=37 n=512 d=256")

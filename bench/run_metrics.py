@@ -136,8 +136,8 @@ def max_error(got: torch.Tensor, reference: torch.Tensor) -> float:
 def bench_cka(rounds: int) -> None:
     for dtype in (torch.float64, torch.float32):
         xs = cka_inputs(dtype)
-        times = interleaved({"cka_matrix": lambda: cka_matrix(xs), "torch one-GEMM": lambda: torch_cka_one_gemm(xs)},
-                            rounds)
+        times = interleaved({"cka_matrix": lambda: cka_matrix(xs, dtype=dtype),
+                             "torch one-GEMM": lambda: torch_cka_one_gemm(xs)}, rounds)
         record_ratios(f"cka_matrix L=37 n=512 d=256 unbiased {DTYPE_NAMES[dtype]}", "cka_matrix",
                       ["torch one-GEMM"], times, {**CKA_SHAPE, "unbiased": True, "dtype": str(dtype)}, rounds)
     # Errors against a float64 reference on the same (rounded) inputs: the one-GEMM formula on
@@ -151,7 +151,7 @@ def bench_cka(rounds: int) -> None:
         x64 = cka_inputs(torch.float64, case)
         x32 = x64.float()
         errors = {
-            "cka_matrix fp64": max_error(cka_matrix(x64), reference(x64)),
+            "cka_matrix fp64": max_error(cka_matrix(x64, dtype=torch.float64), reference(x64)),
             "cka_matrix fp32 (fp64 input)": max_error(cka_matrix(x64, dtype=torch.float32), reference(x64)),
             "cka_matrix fp32 (fp32 input)": max_error(cka_matrix(x32), reference(x32)),
             "torch one-GEMM fp64": max_error(torch_cka_one_gemm(x64), reference(x64)),
