@@ -58,7 +58,7 @@ def git_commit() -> str:
     try:
         head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                                        stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)bench/results"],
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ":(top)", ":(top,exclude)bench/results"],
                                cwd=root, stderr=subprocess.DEVNULL).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

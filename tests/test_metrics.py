@@ -76,6 +76,46 @@ def np_token_entropy(logits: np.ndarray) -> np.ndarray:
     return -(np.exp(logp) * logp).sum(-1)
 
 
+# ------------------------------------------------------------------ torch references
+# What a user would write instead; bench/run_metrics.py times the library against these.
+
+
+def torch_hsic_one_gemm(xs: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """All-pairs HSIC [L, L] of xs [L, n, d] the direct way, in xs's dtype: L full Grams, centered
+    (U or H) in separate passes, flattened to V [L, n^2], all pairs from one GEMM V V^T."""
+    num_layers, n, _ = xs.shape
+    k = xs @ xs.transpose(1, 2)
+    if unbiased:
+        k.diagonal(dim1=1, dim2=2).zero_()
+        row = k.sum(-1)
+        total = row.sum(-1)[:, None, None]
+        k = k - row[:, :, None] / (n - 2) - row[:, None, :] / (n - 2) + total / ((n - 1) * (n - 2))
+        k.diagonal(dim1=1, dim2=2).zero_()
+    else:
+        k = k - k.mean(-1, keepdim=True)
+        k = k - k.mean(-2, keepdim=True)
+    v = k.reshape(num_layers, -1)
+    return (v @ v.T) / (n * (n - 3) if unbiased else (n - 1) ** 2)
+
+
+def torch_cka_one_gemm(xs: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """CKA matrix [L, L] from torch_hsic_one_gemm."""
+    products = torch_hsic_one_gemm(xs, unbiased)
+    diag = products.diagonal()
+    return products / torch.sqrt(diag[:, None] * diag[None, :])
+
+
+def torch_categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.distributions on an fp32 copy of the logits."""
+    return torch.distributions.Categorical(logits=logits.float()).entropy()
+
+
+def torch_log_softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The log_softmax one-liner."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def rand(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
@@ -200,19 +240,64 @@ def test_linear_cka_matches_kornblith(n, d1, d2, dtype):
 def test_cka_matrix_matches_pairwise_reference(unbiased):
     xs = [rand(23, d, seed=d) for d in (4, 9, 16, 1)]
     xs[1] = xs[1] + 0.3 * xs[0] @ rand(4, 9, seed=11)
-    got = cka_matrix(xs, unbiased=unbiased)
+    got = cka_matrix(xs, unbiased=unbiased, dtype=torch.float64)
     expected = [[np_cka_gram(as_np(a), as_np(b), unbiased) for b in xs] for a in xs]
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-9, atol=1e-12)
 
 
-def test_cka_matrix_tensor_input_and_row_blocks(monkeypatch):
-    xs = rand(5, 19, 7, seed=12, dtype=torch.float32)
-    one_block = cka_matrix(xs)
-    torch.testing.assert_close(one_block, cka_matrix(list(xs)))
-    # A tiny block budget forces the multi-block path (rows 0-1, 2-3, ...): same products.
-    monkeypatch.setattr(metrics, "_GRAM_BLOCK_ELEMS", 2 * 5 * 19)
-    torch.testing.assert_close(cka_matrix(xs), one_block, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(cka_matrix(xs, unbiased=False), cka_matrix(list(xs), unbiased=False))
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_cka_matrix_matches_torch_one_gemm_reference(unbiased):
+    xs = rand(6, 33, 12, seed=30) + 3.0
+    xs[2] += 0.5 * xs[0]
+    reference = torch_cka_one_gemm(xs, unbiased)
+    expected = [[np_cka_gram(as_np(a), as_np(b), unbiased) for b in xs] for a in xs]
+    np.testing.assert_allclose(reference.numpy(), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(cka_matrix(xs, unbiased, dtype=torch.float64), reference, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("tile_rows,block_elems", [(64, 1 << 24), (1, 1 << 24), (4, 1 << 24), (64, 2 * 5 * 19)])
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_cka_matrix_gram_tiles(monkeypatch, tile_rows, block_elems, unbiased):
+    """Any tiling of the upper triangle (1-row tiles, tiles not dividing n, a block budget that
+    forces 2-row tiles) gives the same products; lists of different widths too."""
+    xs = rand(5, 19, 7, seed=12)
+    as_list = [x[:, : 7 - i] for i, x in enumerate(xs)]
+    expected = torch_cka_one_gemm(xs, unbiased)
+    expected_list = [[np_cka_gram(as_np(a), as_np(b), unbiased) for b in as_list] for a in as_list]
+    monkeypatch.setattr(metrics, "_GRAM_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(metrics, "_GRAM_BLOCK_ELEMS", block_elems)
+    f64 = dict(unbiased=unbiased, dtype=torch.float64)
+    torch.testing.assert_close(cka_matrix(xs, **f64), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cka_matrix(list(xs), **f64), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(cka_matrix(as_list, **f64).numpy(), expected_list, rtol=1e-9, atol=1e-12)
+
+
+FLOAT32_CKA_CASES = [(case, dtype) for case in ("gaussian", "offset_1e4", "outlier_features")
+                     for dtype in (torch.float32, torch.bfloat16, torch.float64)
+                     if (case, dtype) != ("offset_1e4", torch.bfloat16)]  # bf16 cannot hold 1e4 + N(0, 1)
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("case,input_dtype", FLOAT32_CKA_CASES)
+def test_cka_matrix_float32_within_documented_bound(unbiased, case, input_dtype):
+    """float32 Grams stay within the docstring's 1e-5 of the float64 answer on the same inputs,
+    also with a 1e4 offset on every feature and with a few 300x-scale features (as in LLM hidden
+    states); float32 is the default."""
+    xs = rand(6, 96, 40, seed=31)
+    xs[1:] += 0.7 * xs[:-1]  # correlated neighbours, like consecutive layers
+    if case == "offset_1e4":
+        xs = xs + 1e4
+    elif case == "outlier_features":
+        xs[:, :, :3] *= 300.0
+    xs = xs.to(input_dtype)
+    # Centering changes neither CKA; numpy centers first so that its Grams carry no offset.
+    centered = [as_np(x) - as_np(x).mean(0) for x in xs]
+    expected = np.array([[np_cka_gram(a, b, unbiased) for b in centered] for a in centered])
+    got = cka_matrix(xs, unbiased, dtype=torch.float32)
+    assert got.dtype == torch.float32
+    np.testing.assert_allclose(got.double().numpy(), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(cka_matrix(xs, unbiased, dtype=torch.float64).numpy(), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(cka_matrix(xs, unbiased), got, rtol=0, atol=0)
 
 
 @HYPOTHESIS
@@ -224,7 +309,8 @@ def test_cka_invariances(n, d, scale, seed, unbiased):
     rotated = x @ q * scale
     assert linear_cka(x, x, unbiased=unbiased).item() == pytest.approx(1.0, abs=1e-9)
     assert linear_cka(x, rotated, unbiased=unbiased).item() == pytest.approx(1.0, abs=1e-9)
-    torch.testing.assert_close(cka_matrix([rotated, y], unbiased=unbiased), cka_matrix([x, y], unbiased=unbiased))
+    f64 = dict(unbiased=unbiased, dtype=torch.float64)
+    torch.testing.assert_close(cka_matrix([rotated, y], **f64), cka_matrix([x, y], **f64))
 
 
 # Independent standard Gaussian layers: (d, n) -> mean biased CKA (DESIGN.md section 3).
@@ -273,6 +359,18 @@ def test_token_entropy_chunking_and_large_offsets(chunk_size):
     np.testing.assert_allclose(got.numpy(), np_token_entropy(as_np(logits)), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_entropy_error_bound_at_llm_vocab(dtype):
+    """The docstring's bound (2e-6 nats against float64) at a 151936-token vocabulary: spread,
+    peaked, near-uniform and 1e4-offset rows."""
+    logits = rand(4, 151_936, seed=24) * 4
+    logits[1, :5] += 60.0
+    logits[2] *= 0.01
+    logits[3] = logits[3] * 12 + (1e4 if dtype == torch.float32 else 0.0)
+    logits = logits.to(dtype)
+    np.testing.assert_allclose(token_entropy(logits).numpy(), np_token_entropy(as_np(logits)), rtol=0, atol=2e-6)
+
+
 def test_token_entropy_of_strided_logits():
     """A sliced [B, T, V] cannot be flattened without a copy; results are per position."""
     logits = rand(3, 6, 50, seed=21, dtype=torch.float32)
@@ -307,7 +405,7 @@ def test_triton_dispatch_matches_torch_path(monkeypatch):
     hidden, weight, bias = (rand(*shape, seed=seed, dtype=torch.float32) for shape, seed in
                             (((5, 16), 18), ((130, 16), 19), ((130,), 20)))
     xs = [rand(12, d, seed=d, dtype=torch.float32) + 1.0 for d in (3, 8)]
-    torch_path = token_entropy(logits), linear_token_entropy(hidden, weight, bias), cka_matrix(xs)
+    torch_path = token_entropy(logits), linear_token_entropy(hidden, weight, bias), cka_matrix(xs, dtype=torch.float64)
     monkeypatch.setenv("ELSI_FAST_FORCE_TRITON", "1")
     torch.testing.assert_close(token_entropy(logits), torch_path[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear_token_entropy(hidden, weight, bias), torch_path[1], rtol=1e-4, atol=1e-4)
@@ -318,7 +416,8 @@ def test_triton_dispatch_matches_torch_path(monkeypatch):
 def test_cuda_results_match_cpu():
     xs = rand(6, 300, 64, seed=22, dtype=torch.bfloat16)
     for unbiased in (True, False):
-        torch.testing.assert_close(cka_matrix(xs.cuda(), unbiased).double().cpu(), cka_matrix(xs, unbiased),
+        torch.testing.assert_close(cka_matrix(xs.cuda(), unbiased).double().cpu(),
+                                   cka_matrix(xs, unbiased, dtype=torch.float64),
                                    rtol=1e-3, atol=1e-3)
     logits = rand(4, 9, 128_000, seed=23, dtype=torch.bfloat16) * 3
     torch.testing.assert_close(token_entropy(logits.cuda()).cpu(), token_entropy(logits), rtol=1e-4, atol=1e-4)
@@ -359,6 +458,7 @@ BAD_INPUTS = [
     (lambda: cka_matrix([_x, _nan]), ValueError, r"xs\[1\] contains NaN"),
     (lambda: cka_matrix(torch.ones(2, 3, 4, dtype=torch.int32)), TypeError, "xs must have dtype"),
     (lambda: cka_matrix(rand(2, 3, 4)), ValueError, "unbiased CKA needs n >= 4"),
+    (lambda: cka_matrix(rand(2, 5, 4), dtype=torch.bfloat16), ValueError, "dtype must be torch.float32 or"),
     (lambda: token_entropy(_inf_logits), ValueError, "logits contains NaN or Inf"),
     (lambda: token_entropy(torch.zeros(3, 0)), ValueError, "empty vocabulary"),
     (lambda: token_entropy(torch.zeros(3, 5, dtype=torch.int64)), TypeError, "logits must have dtype"),

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elsi_fast import MinibatchHSIC, StreamingCovariance, matrix_entropy
+from elsi_fast import MinibatchHSIC, StreamingCovariance, matrix_entropy, streaming
 from numpy_references import np_hsic_song
 
 HYPOTHESIS = settings(max_examples=15, deadline=None)
@@ -49,7 +49,9 @@ def hidden_states(num_layers: int, n: int, d: int, seed: int, offset: float = 0.
 @pytest.mark.parametrize("normalize", ["l2", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("as_list", [False, True])
-def test_covariance_matches_numpy(normalize, dtype, as_list):
+@pytest.mark.parametrize("tile_cols", [64, 4])  # one tile; two uneven ones (upper-triangle update)
+def test_covariance_matches_numpy(monkeypatch, normalize, dtype, as_list, tile_cols):
+    monkeypatch.setattr(streaming, "_COV_TILE_COLS", tile_cols)
     x = hidden_states(3, 41, 6, seed=1, offset=2.0, dtype=dtype)
     mask = torch.rand(41, generator=torch.Generator().manual_seed(2)) > 0.3
     acc = StreamingCovariance(3, 6, normalize=normalize)
