@@ -9,14 +9,18 @@ namespace elsi_fast {
 
 enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2 };
 // How a weight matrix is stored. Row-major is nn.Linear's own [out, in] (the module's weights, no
-// copies). Packed (NativeDraftDecoder) is [ceil(out / kPackRows), ceil(in / kPackCols), kPackRows,
-// kPackCols], zero padded: the kPackRows rows a kernel multiplies together lie in one contiguous run,
-// so every product reads its matrix as one sequential stream. With row-major rows of a few KB, the
-// kPackRows interleaved streams restart every row group and the hardware prefetchers never get far
-// ahead (on Zen 4 row-major int8 products read at ~0.5x of a plain sum's bandwidth, packed ~0.9x).
+// copies). Packed (NativeDraftDecoder) is [ceil(out / kPackRows), ceil(in / C), kPackRows, C] with
+// C = pack_cols(element size) columns, one cache line, per tile row; zero padded. A kernel
+// multiplies kPackRows rows at once, and packed they lie in one contiguous run read line after line,
+// so every product is one sequential stream. Row-major, the kPackRows interleaved streams restart
+// every row group and the prefetchers fall behind (Zen 4: int8 products read at ~0.5x of a plain
+// sum's bandwidth row-major). Tiles wider than a line (tried: 64 fp32 columns, 4 lines a row) read
+// each tile out of order and were slower than row-major for fp32.
 enum class WeightLayout : int32_t { kRowMajor = 0, kPacked = 1 };
 constexpr int64_t kPackRows = 4;
-constexpr int64_t kPackCols = 64;
+constexpr int64_t kPackRowBytes = 64;
+// Columns of a tile row: 16 fp32, 32 bf16, 64 int8.
+constexpr int64_t pack_cols(int64_t element_bytes) { return kPackRowBytes / element_bytes; }
 
 // Element type of activations the caller hands in or gets back (input, hidden out, embedding, cache).
 enum class ActType : int32_t { kFloat32 = 0, kBFloat16 = 1 };

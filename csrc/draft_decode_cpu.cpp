@@ -104,22 +104,23 @@ void row_dots_scalar(const void* w, int64_t row0, int nrows, int64_t cols, const
 
 
 // ---------------------------------------------------------------- packed layout (WeightLayout::kPacked)
-// One row group: tiles of kPackRows x kPackCols weights, row j of a tile at offset j * kPackCols;
-// x is zero padded to tiles * kPackCols. out[j] = dot(row j of the group, x).
+// One row group: tiles of kPackRows rows x C = pack_cols(sizeof(T)) columns, row j of a tile at
+// element offset j * C; x is zero padded to tiles * C. out[j] = dot(row j of the group, x).
 using GroupDotsFn = void (*)(const void* w, int64_t tiles, const GemvInput& x, float* out);
 
 static_assert(kPackRows == 4, "the kernels keep one named accumulator per packed row");
-static_assert(kActBlock % kPackCols == 0, "an activation block is a whole number of tiles");
-constexpr int64_t kTilesPerActBlock = kActBlock / kPackCols;
-constexpr int64_t kTileElems = kPackRows * kPackCols;
+constexpr int64_t kInt8Cols = pack_cols(1);
+static_assert(kActBlock % kInt8Cols == 0, "an activation block is a whole number of int8 tiles");
+constexpr int64_t kTilesPerActBlock = kActBlock / kInt8Cols;
 
 template <typename T>
 void group_dots_scalar(const void* w, int64_t tiles, const GemvInput& x, float* out) {
+  constexpr int64_t C = pack_cols(sizeof(T));
   const T* p = static_cast<const T*>(w);
   float acc[kPackRows] = {};
-  for (int64_t t = 0; t < tiles; ++t, p += kTileElems)
+  for (int64_t t = 0; t < tiles; ++t, p += kPackRows * C)
     for (int j = 0; j < kPackRows; ++j)
-      for (int64_t c = 0; c < kPackCols; ++c) acc[j] += to_float(p[j * kPackCols + c]) * x.f[t * kPackCols + c];
+      for (int64_t c = 0; c < C; ++c) acc[j] += to_float(p[j * C + c]) * x.f[t * C + c];
   std::copy(acc, acc + kPackRows, out);
 }
 
@@ -129,10 +130,10 @@ void group_dots_i8_scalar(const void* w, int64_t tiles, const GemvInput& x, floa
   float acc[kPackRows] = {};
   for (int64_t t0 = 0; t0 < tiles; t0 += kTilesPerActBlock) {
     int32_t sums[kPackRows] = {};
-    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kTileElems)
+    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kPackRows * kInt8Cols)
       for (int j = 0; j < kPackRows; ++j)
-        for (int64_t c = 0; c < kPackCols; ++c)
-          sums[j] += static_cast<int32_t>(p[j * kPackCols + c]) * x.q[t * kPackCols + c];
+        for (int64_t c = 0; c < kInt8Cols; ++c)
+          sums[j] += static_cast<int32_t>(p[j * kInt8Cols + c]) * x.q[t * kInt8Cols + c];
     for (int j = 0; j < kPackRows; ++j) acc[j] += static_cast<float>(sums[j]) * x.q_scale[t0 / kTilesPerActBlock];
   }
   std::copy(acc, acc + kPackRows, out);
@@ -184,16 +185,17 @@ ELSI_AVX2 void row_dots_avx2(const void* w, int64_t row0, int nrows, int64_t col
 
 template <typename T>
 ELSI_AVX2 void group_dots_avx2(const void* w, int64_t tiles, const GemvInput& x, float* out) {
+  constexpr int64_t C = pack_cols(sizeof(T));
   const T* p = static_cast<const T*>(w);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t t = 0; t < tiles; ++t, p += kTileElems) {
-    const float* xt = x.f + t * kPackCols;
-    for (int64_t c = 0; c < kPackCols; c += 8) {
+  for (int64_t t = 0; t < tiles; ++t, p += kPackRows * C) {
+    const float* xt = x.f + t * C;
+    for (int64_t c = 0; c < C; c += 8) {
       const __m256 xv = _mm256_loadu_ps(xt + c);
       a0 = _mm256_fmadd_ps(load8(p + c), xv, a0);
-      a1 = _mm256_fmadd_ps(load8(p + kPackCols + c), xv, a1);
-      a2 = _mm256_fmadd_ps(load8(p + 2 * kPackCols + c), xv, a2);
-      a3 = _mm256_fmadd_ps(load8(p + 3 * kPackCols + c), xv, a3);
+      a1 = _mm256_fmadd_ps(load8(p + C + c), xv, a1);
+      a2 = _mm256_fmadd_ps(load8(p + 2 * C + c), xv, a2);
+      a3 = _mm256_fmadd_ps(load8(p + 3 * C + c), xv, a3);
     }
   }
   out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
@@ -210,13 +212,13 @@ ELSI_AVX2 void group_dots_i8_avx2(const void* w, int64_t tiles, const GemvInput&
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t t0 = 0; t0 < tiles; t0 += kTilesPerActBlock) {
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kTileElems) {
-      for (int64_t c = 0; c < kPackCols; c += 16) {
-        const __m256i q16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + t * kPackCols + c));
+    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kPackRows * kInt8Cols) {
+      for (int64_t c = 0; c < kInt8Cols; c += 16) {
+        const __m256i q16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + t * kInt8Cols + c));
         s0 = _mm256_add_epi32(s0, madd16(p + c, q16));
-        s1 = _mm256_add_epi32(s1, madd16(p + kPackCols + c, q16));
-        s2 = _mm256_add_epi32(s2, madd16(p + 2 * kPackCols + c, q16));
-        s3 = _mm256_add_epi32(s3, madd16(p + 3 * kPackCols + c, q16));
+        s1 = _mm256_add_epi32(s1, madd16(p + kInt8Cols + c, q16));
+        s2 = _mm256_add_epi32(s2, madd16(p + 2 * kInt8Cols + c, q16));
+        s3 = _mm256_add_epi32(s3, madd16(p + 3 * kInt8Cols + c, q16));
       }
     }
     const __m256 scale = _mm256_set1_ps(x.q_scale[t0 / kTilesPerActBlock]);
@@ -305,17 +307,16 @@ ELSI_AVX512 void row_dots_bf16_avx512(const void* w, int64_t row0, int nrows, in
 }
 
 ELSI_AVX512 void group_dots_f32_avx512(const void* w, int64_t tiles, const GemvInput& x, float* out) {
+  constexpr int64_t C = pack_cols(sizeof(float));
+  static_assert(C == 16);
   const float* p = static_cast<const float*>(w);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t t = 0; t < tiles; ++t, p += kTileElems) {
-    const float* xt = x.f + t * kPackCols;
-    for (int64_t c = 0; c < kPackCols; c += 16) {
-      const __m512 xv = _mm512_loadu_ps(xt + c);
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), xv, a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + kPackCols + c), xv, a1);
-      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * kPackCols + c), xv, a2);
-      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 3 * kPackCols + c), xv, a3);
-    }
+  for (int64_t t = 0; t < tiles; ++t, p += kPackRows * C) {
+    const __m512 xv = _mm512_loadu_ps(x.f + t * C);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p), xv, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + C), xv, a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 * C), xv, a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(p + 3 * C), xv, a3);
   }
   out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
   out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
@@ -326,16 +327,16 @@ ELSI_AVX512 inline __m512 dpbf16(__m512 acc, __m512bh x, const uint16_t* w) {
 }
 
 ELSI_AVX512 void group_dots_bf16_avx512(const void* w, int64_t tiles, const GemvInput& x, float* out) {
+  constexpr int64_t C = pack_cols(sizeof(uint16_t));
+  static_assert(C == 32);
   const uint16_t* p = static_cast<const uint16_t*>(w);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t t = 0; t < tiles; ++t, p += kTileElems) {
-    for (int64_t c = 0; c < kPackCols; c += 32) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x.b + t * kPackCols + c);
-      a0 = dpbf16(a0, xv, p + c);
-      a1 = dpbf16(a1, xv, p + kPackCols + c);
-      a2 = dpbf16(a2, xv, p + 2 * kPackCols + c);
-      a3 = dpbf16(a3, xv, p + 3 * kPackCols + c);
-    }
+  for (int64_t t = 0; t < tiles; ++t, p += kPackRows * C) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x.b + t * C);
+    a0 = dpbf16(a0, xv, p);
+    a1 = dpbf16(a1, xv, p + C);
+    a2 = dpbf16(a2, xv, p + 2 * C);
+    a3 = dpbf16(a3, xv, p + 3 * C);
   }
   out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
   out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
@@ -351,13 +352,13 @@ ELSI_AVX512 void group_dots_i8_avx512(const void* w, int64_t tiles, const GemvIn
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t t0 = 0; t0 < tiles; t0 += kTilesPerActBlock) {
     __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kTileElems) {
-      for (int64_t c = 0; c < kPackCols; c += 32) {
-        const __m512i q16 = _mm512_loadu_si512(x.q + t * kPackCols + c);
+    for (int64_t t = t0; t < std::min(tiles, t0 + kTilesPerActBlock); ++t, p += kPackRows * kInt8Cols) {
+      for (int64_t c = 0; c < kInt8Cols; c += 32) {
+        const __m512i q16 = _mm512_loadu_si512(x.q + t * kInt8Cols + c);
         s0 = dpw32(s0, p + c, q16);
-        s1 = dpw32(s1, p + kPackCols + c, q16);
-        s2 = dpw32(s2, p + 2 * kPackCols + c, q16);
-        s3 = dpw32(s3, p + 3 * kPackCols + c, q16);
+        s1 = dpw32(s1, p + kInt8Cols + c, q16);
+        s2 = dpw32(s2, p + 2 * kInt8Cols + c, q16);
+        s3 = dpw32(s3, p + 3 * kInt8Cols + c, q16);
       }
     }
     const __m512 scale = _mm512_set1_ps(x.q_scale[t0 / kTilesPerActBlock]);
@@ -510,7 +511,8 @@ class ThreadInput {
   }
 
  private:
-  static int64_t padded(int64_t n) { return (n + kPackCols - 1) / kPackCols * kPackCols; }
+  // The widest tile row (int8) bounds every type's padding.
+  static int64_t padded(int64_t n) { return (n + kInt8Cols - 1) / kInt8Cols * kInt8Cols; }
 
   // q = round_half_even(x * 32767 / amax) per block, scale = amax / 32767, as quant.py models it.
   void quantize(const float* x, int64_t n) {
@@ -553,8 +555,9 @@ void dot_rows(const Products& p, const void* w, const float* scale, int64_t begi
   } else {
     // Whole row groups; a range that starts or ends inside one (q/k/v rows of a KV group whose
     // width is not a multiple of kPackRows) computes that group and keeps its rows in range.
-    const int64_t tiles = (cols + kPackCols - 1) / kPackCols;
-    const int64_t group_bytes = tiles * kTileElems * p.elem_bytes;
+    const int64_t tile_cols = pack_cols(p.elem_bytes);
+    const int64_t tiles = (cols + tile_cols - 1) / tile_cols;
+    const int64_t group_bytes = tiles * kPackRows * kPackRowBytes;
     for (int64_t g = begin / kPackRows; g * kPackRows < end; ++g) {
       float sums[kPackRows];
       p.groups(static_cast<const char*>(w) + g * group_bytes, tiles, x, sums);

@@ -57,8 +57,9 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
   const at::Device device = input.device();
   TORCH_CHECK_VALUE(weights.size() == kNumMatrices, kOp, ": weights must hold ", kNumMatrices,
                     " matrices (fc, q, k, v, o, gate, up, down, lm_head), got ", weights.size());
-  // 2-D: row-major [out, in]; 4-D: packed [ceil(out / kPackRows), ceil(in / kPackCols), kPackRows,
-  // kPackCols] (draft_decode.h), which carries padded sizes only: hence fc_in and intermediate.
+  // 2-D: row-major [out, in]; 4-D: packed [ceil(out / kPackRows), ceil(in / C), kPackRows, C] with
+  // C = pack_cols(element size) (draft_decode.h), which carries padded sizes only: hence fc_in and
+  // intermediate.
   const bool packed = weights[0].dim() == 4;
   for (int i = 0; i < kNumMatrices; ++i)
     TORCH_CHECK_VALUE(weights[i].dim() == (packed ? 4 : 2), kOp, ": ", kMatrixNames[i], " must be ",
@@ -107,12 +108,13 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
       {d, num_heads * hd}, {dims.intermediate, d}, {dims.intermediate, d}, {d, dims.intermediate},
       {dims.draft_vocab, d}};
   TORCH_CHECK_TYPE(wt != at::kChar || packed, kOp, ": int8 weights must be packed (4-D)");
+  const int64_t tile_cols = pack_cols(weights[0].element_size());
   for (int i = 0; i < kNumMatrices; ++i) {
     check_dtype(weights[i], kMatrixNames[i], {wt});
     const int64_t rows = shapes[i][0], cols = shapes[i][1];
     if (packed)
       check_tensor(weights[i], std::string(kMatrixNames[i]) + " (packed)", device,
-                   {(rows + kPackRows - 1) / kPackRows, (cols + kPackCols - 1) / kPackCols, kPackRows, kPackCols});
+                   {(rows + kPackRows - 1) / kPackRows, (cols + tile_cols - 1) / tile_cols, kPackRows, tile_cols});
     else
       check_tensor(weights[i], kMatrixNames[i], device, shapes[i]);
   }
@@ -269,5 +271,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Whether this build contains the CUDA kernels");
   m.attr("max_cuda_top_k") = elsi_fast::kMaxCudaTopK;
   m.attr("pack_rows") = elsi_fast::kPackRows;
-  m.attr("pack_cols") = elsi_fast::kPackCols;
+  m.attr("pack_row_bytes") = elsi_fast::kPackRowBytes;
 }

@@ -56,9 +56,9 @@ NORM_NAMES = (
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 # Largest top_k of the CUDA kernel (its per-block candidates live in shared memory).
 MAX_CUDA_TOP_K = _C.max_cuda_top_k if _C is not None else 0
-# Packed weight layout of the CPU kernels (csrc/draft_decode.h, kPackRows / kPackCols).
+# Packed weight layout of the CPU kernels (csrc/draft_decode.h, kPackRows / kPackRowBytes).
 PACK_ROWS = _C.pack_rows if _C is not None else 4
-PACK_COLS = _C.pack_cols if _C is not None else 64
+PACK_ROW_BYTES = _C.pack_row_bytes if _C is not None else 64
 
 
 def _op():
@@ -194,15 +194,19 @@ def decode_step(draft: "Eagle3Draft", hidden: Tensor, token: Tensor, cache: "Dra
 
 
 def pack_matrix(weight: Tensor) -> Tensor:
-    """`[out, in]` -> the CPU kernels' packed layout `[ceil(out / R), ceil(in / C), R, C]` with
-    R, C = PACK_ROWS, PACK_COLS (csrc/draft_decode.h), zero padded, same dtype: each group of R rows
-    is one contiguous run of R x C tiles, so a matrix-vector product reads it as one stream."""
+    """`[out, in]` -> the CPU kernels' packed layout `[ceil(out / R), ceil(in / C), R, C]`, zero
+    padded, same dtype, with R = PACK_ROWS and C = PACK_ROW_BYTES / element size (one cache line:
+    16 fp32, 32 bf16, 64 int8 columns). Each group of R rows is one contiguous run of R x C tiles,
+    so a matrix-vector product reads the matrix as one sequential stream (csrc/draft_decode.h)."""
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D [out, in] Tensor, got {getattr(weight, 'shape', type(weight))}")
+    if PACK_ROW_BYTES % weight.element_size():
+        raise ValueError(f"weight dtype {weight.dtype} does not tile a {PACK_ROW_BYTES}-byte row")
     rows, cols = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, -cols % PACK_COLS, 0, -rows % PACK_ROWS))
-    groups, tiles = padded.shape[0] // PACK_ROWS, padded.shape[1] // PACK_COLS
-    return padded.reshape(groups, PACK_ROWS, tiles, PACK_COLS).permute(0, 2, 1, 3).contiguous()
+    tile_cols = PACK_ROW_BYTES // weight.element_size()
+    padded = torch.nn.functional.pad(weight.detach(), (0, -cols % tile_cols, 0, -rows % PACK_ROWS))
+    groups, tiles = padded.shape[0] // PACK_ROWS, padded.shape[1] // tile_cols
+    return padded.reshape(groups, PACK_ROWS, tiles, tile_cols).permute(0, 2, 1, 3).contiguous()
 
 
 class NativeDraftDecoder:

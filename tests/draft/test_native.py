@@ -360,7 +360,7 @@ def test_fc_width_mismatch_raises(small):
         native._op()(*op_args(decoder, torch.randn(draft.config.fc_in_features + 1)))
     d, width = draft.config.hidden_size, draft.config.fc_in_features
     args = op_args(decoder, torch.randn(width))
-    args[6][0] = native.pack_matrix(torch.randn(d, width + native.PACK_COLS))
+    args[6][0] = native.pack_matrix(torch.randn(d, width + native.PACK_ROW_BYTES))
     with pytest.raises(ValueError, match="fc \\(packed\\) must have shape"):
         native._op()(*args)
     # row-major weights (the module's own) are checked against the same widths
@@ -374,14 +374,18 @@ def test_fc_width_mismatch_raises(small):
         native._op()(*args)
 
 
-def test_pack_matrix_layout():
-    """Element [g, t, j, c] of the packed matrix is w[g * R + j, t * C + c]; padding is zero."""
-    rows, cols = 2 * native.PACK_ROWS + 1, native.PACK_COLS + 5
-    w = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_pack_matrix_layout(dtype):
+    """Element [g, t, j, c] of the packed matrix is w[g * R + j, t * C + c] with C columns filling one
+    PACK_ROW_BYTES line; padding is zero."""
+    cols_per_tile = native.PACK_ROW_BYTES // torch.empty(0, dtype=dtype).element_size()
+    rows, cols = 2 * native.PACK_ROWS + 1, cols_per_tile + 5
+    w = (torch.arange(rows * cols).view(rows, cols) % 101 + 1).to(dtype)
     packed = native.pack_matrix(w)
-    assert packed.shape == (3, 2, native.PACK_ROWS, native.PACK_COLS) and packed.is_contiguous()
+    assert packed.shape == (3, 2, native.PACK_ROWS, cols_per_tile) and packed.dtype == dtype
+    assert packed.is_contiguous()
     g, t, j, c = torch.meshgrid(*[torch.arange(n) for n in packed.shape], indexing="ij")
-    r, k = g * native.PACK_ROWS + j, t * native.PACK_COLS + c
+    r, k = g * native.PACK_ROWS + j, t * cols_per_tile + c
     inside = (r < rows) & (k < cols)
     assert torch.equal(packed[inside], w[r[inside], k[inside]])
     assert not packed[~inside].any()
@@ -400,7 +404,7 @@ def test_dtype_and_device_mismatches_raise(small):
     with pytest.raises(TypeError, match="k_proj must be"):
         native._op()(*args)
     args = op_args(decoder, aux)
-    args[6] = [w.to(torch.int8) for w in args[6]]
+    args[6] = [native.pack_matrix(draft.get_parameter(name).detach().to(torch.int8)) for name in native.MATRIX_NAMES]
     with pytest.raises(ValueError, match="int8 weights need"):
         native._op()(*args)
     args[6] = [draft.get_parameter(name).detach().to(torch.int8) for name in native.MATRIX_NAMES]
