@@ -6,11 +6,12 @@
 // RoPE, attention, SwiGLU, top-k) runs inside the same OpenMP parallel region.
 //
 // Layout decides the speed: NativeDraftDecoder packs every matrix in groups of kPackRows rows stored
-// tile by tile (draft_decode.h), so each product is one sequential stream that the hardware
-// prefetchers follow. Multiplying four row-major rows at once instead reads four short streams that
-// restart every row group: on Zen 4 that read int8 weights at ~0.5x, bf16 at ~0.65x and fp32 at
-// ~0.8x of a plain sum's bandwidth, packed all three at ~0.9-1.0x. The module's own fp32 / bf16
-// weights (Eagle3Draft.decode_step, no copies) keep the row-major kernels.
+// tile by tile, one cache line of each row per tile (draft_decode.h), so each product is one
+// sequential stream that the hardware prefetchers follow. Multiplying four row-major rows at once
+// instead reads four short streams that restart every row group: in a single-core microbenchmark
+// on Zen 4 that read int8 weights at ~0.5x, bf16 at ~0.65x and fp32 at ~0.8-0.9x of a plain
+// AVX-512 sum's bandwidth, packed all three at ~0.9x. The module's own fp32 / bf16 weights
+// (Eagle3Draft.decode_step, no copies) keep the row-major kernels.
 //
 // Int8 weights multiply activations quantized to int16 with one fp32 scale per kActBlock columns
 // (elsi_fast/draft/quant.py models it): widening int8 -> fp32 costs two instructions per 16

@@ -374,6 +374,26 @@ def test_fc_width_mismatch_raises(small):
         native._op()(*args)
 
 
+@requires_native
+@pytest.mark.parametrize("weight_dtype", ["fp32", "int8"])
+def test_step_read_bytes_counts_weights_scales_and_cache(weight_dtype):
+    draft = make_draft(SHAPES["wide"], seed=17)
+    cfg = draft.config
+    decoder = native.NativeDraftDecoder(draft, weight_dtype, max_len=8)
+    itemsize = {"fp32": 4, "int8": 1}[weight_dtype]
+    padded = sum(math.ceil(w.shape[0] / native.PACK_ROWS) * native.PACK_ROWS
+                 * math.ceil(w.shape[1] * itemsize / native.PACK_ROW_BYTES) * native.PACK_ROW_BYTES
+                 for w in (draft.get_parameter(name) for name in native.MATRIX_NAMES))
+    scales = sum(draft.get_parameter(name).shape[0] * 4 for name in native.MATRIX_NAMES) if itemsize == 1 else 0
+    assert decoder.weight_bytes == padded + scales
+    per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert decoder.step_read_bytes(True, 5) - decoder.step_read_bytes(True, 4) == per_position
+    fc = decoder._weights[0].numel() * itemsize + (cfg.hidden_size * 4 if itemsize == 1 else 0)
+    wider_input = (cfg.fc_in_features - cfg.hidden_size) * 4
+    assert decoder.step_read_bytes(True, 3) - decoder.step_read_bytes(False, 3) == fc + wider_input
+    assert decoder.step_read_bytes(True, 3) > decoder.weight_bytes + 4 * per_position
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_pack_matrix_layout(dtype):
     """Element [g, t, j, c] of the packed matrix is w[g * R + j, t * C + c] with C columns filling one
