@@ -8,6 +8,20 @@
 namespace elsi_fast {
 
 enum class WeightType : int32_t { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2 };
+// How a weight matrix is stored. Row-major is nn.Linear's own [out, in] (the module's weights, no
+// copies). Packed (NativeDraftDecoder) is [ceil(out / kPackRows), ceil(in / C), kPackRows, C] with
+// C = pack_cols(element size) columns, one cache line, per tile row; zero padded. A kernel
+// multiplies kPackRows rows at once, and packed they lie in one contiguous run read line after line,
+// so every product is one sequential stream. Row-major, the kPackRows interleaved streams restart
+// every row group and the prefetchers fall behind (Zen 4: int8 products read at ~0.5x of a plain
+// sum's bandwidth row-major). Tiles wider than a line (tried: 64 fp32 columns, 4 lines a row) read
+// each tile out of order and were slower than row-major for fp32.
+enum class WeightLayout : int32_t { kRowMajor = 0, kPacked = 1 };
+constexpr int64_t kPackRows = 4;
+constexpr int64_t kPackRowBytes = 64;
+// Columns of a tile row: 16 fp32, 32 bf16, 64 int8.
+constexpr int64_t pack_cols(int64_t element_bytes) { return kPackRowBytes / element_bytes; }
+
 // Element type of activations the caller hands in or gets back (input, hidden out, embedding, cache).
 enum class ActType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
 
@@ -24,9 +38,9 @@ struct DraftDims {
   float eps;               // RMSNorm epsilon
 };
 
-// Weights exactly as the torch module holds them (nn.Linear layout: [out, in], row-major), so a
-// module in the kernel's weight type is used without copies. `scale_*` are per-output-row fp32
-// scales for int8 weights, null otherwise.
+// Weights row-major as the torch module holds them (nn.Linear layout: [out, in]), so a module in the
+// kernel's weight type is used without copies, or packed (WeightLayout; int8 weights are always
+// packed). `scale_*` are per-output-row fp32 scales for int8 weights, null otherwise.
 //   fc [d, fc_in]; q [H hd, 2d]; k, v [H_kv hd, 2d]; o [d, H hd]; gate, up [I, d]; down [d, I];
 //   lm_head [V_d, d]
 //   norms    [4, d] fp32: hidden_norm, input_layernorm, post_attention_layernorm, norm
@@ -37,6 +51,7 @@ enum Matrix : int { kFc = 0, kQ, kK, kV, kO, kGate, kUp, kDown, kLmHead, kNumMat
 
 struct DraftWeights {
   WeightType weight_type;
+  WeightLayout layout;  // of every matrix; the CUDA kernels take row-major only
   const void* matrix[kNumMatrices];
   const float* scale[kNumMatrices];
   const float* norms;

@@ -48,17 +48,22 @@ struct Prepared {
 };
 
 // Validates every argument against the shapes implied by norms [4, d], the caches
-// [H_kv, max_len, head_dim], fc [d, fc_in], down [d, I] and lm_head [V_d, d]; collects pointers.
+// [H_kv, max_len, head_dim], fc_in, intermediate (I) and d2t [V_d]; collects pointers.
 Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& embed,
                  at::TensorList weights, at::TensorList scales, const at::Tensor& norms,
                  const at::Tensor& inv_freq, const at::Tensor& d2t, bool from_target,
-                 int64_t num_heads, double eps, int64_t top_k) {
+                 int64_t num_heads, int64_t fc_in, int64_t intermediate, double eps, int64_t top_k) {
   const at::Device device = input.device();
   TORCH_CHECK_VALUE(weights.size() == kNumMatrices, kOp, ": weights must hold ", kNumMatrices,
                     " matrices (fc, q, k, v, o, gate, up, down, lm_head), got ", weights.size());
+  // 2-D: row-major [out, in]; 4-D: packed [ceil(out / kPackRows), ceil(in / C), kPackRows, C] with
+  // C = pack_cols(element size) (draft_decode.h), which carries padded sizes only: hence fc_in and
+  // intermediate.
+  const bool packed = weights[0].dim() == 4;
   for (int i = 0; i < kNumMatrices; ++i)
-    TORCH_CHECK_VALUE(weights[i].dim() == 2, kOp, ": ", kMatrixNames[i], " must be 2-D, got ",
+    TORCH_CHECK_VALUE(weights[i].dim() == (packed ? 4 : 2), kOp, ": ", kMatrixNames[i], " must be ",
+                      packed ? "4-D (packed, like fc)" : "2-D [out, in] (or every weight 4-D packed)", ", got ",
                       weights[i].sizes());
   TORCH_CHECK_VALUE(norms.dim() == 2 && norms.size(0) == 4 && norms.size(1) > 0, kOp,
                     ": norms must have shape [4, hidden], got ", norms.sizes());
@@ -69,15 +74,18 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
   TORCH_CHECK_VALUE(num_heads > 0 && num_heads % k_cache.size(0) == 0, kOp, ": num_heads (",
                     num_heads, ") must be a positive multiple of num_kv_heads (", k_cache.size(0), ")");
   TORCH_CHECK_VALUE(eps > 0, kOp, ": eps must be positive, got ", eps);
+  TORCH_CHECK_VALUE(fc_in > 0 && intermediate > 0, kOp, ": fc_in (", fc_in, ") and intermediate (",
+                    intermediate, ") must be positive");
+  TORCH_CHECK_VALUE(d2t.dim() == 1 && d2t.size(0) > 0, kOp, ": d2t must be [draft_vocab], got ", d2t.sizes());
 
   DraftDims dims;
   dims.hidden = norms.size(1);
-  dims.fc_in = weights[kFc].size(1);
+  dims.fc_in = fc_in;
   dims.num_heads = num_heads;
   dims.num_kv_heads = k_cache.size(0);
   dims.head_dim = k_cache.size(2);
-  dims.intermediate = weights[kDown].size(1);
-  dims.draft_vocab = weights[kLmHead].size(0);
+  dims.intermediate = intermediate;
+  dims.draft_vocab = d2t.size(0);
   dims.max_len = k_cache.size(1);
   dims.eps = static_cast<float>(eps);
   const int64_t d = dims.hidden, hd = dims.head_dim, nkv = dims.num_kv_heads;
@@ -99,9 +107,16 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
       {d, dims.fc_in}, {num_heads * hd, 2 * d}, {nkv * hd, 2 * d}, {nkv * hd, 2 * d},
       {d, num_heads * hd}, {dims.intermediate, d}, {dims.intermediate, d}, {d, dims.intermediate},
       {dims.draft_vocab, d}};
+  TORCH_CHECK_TYPE(wt != at::kChar || packed, kOp, ": int8 weights must be packed (4-D)");
+  const int64_t tile_cols = pack_cols(weights[0].element_size());
   for (int i = 0; i < kNumMatrices; ++i) {
     check_dtype(weights[i], kMatrixNames[i], {wt});
-    check_tensor(weights[i], kMatrixNames[i], device, shapes[i]);
+    const int64_t rows = shapes[i][0], cols = shapes[i][1];
+    if (packed)
+      check_tensor(weights[i], std::string(kMatrixNames[i]) + " (packed)", device,
+                   {(rows + kPackRows - 1) / kPackRows, (cols + tile_cols - 1) / tile_cols, kPackRows, tile_cols});
+    else
+      check_tensor(weights[i], kMatrixNames[i], device, shapes[i]);
   }
   if (wt == at::kChar) {
     TORCH_CHECK_VALUE(scales.size() == kNumMatrices, kOp,
@@ -136,6 +151,7 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
   w.weight_type = wt == at::kFloat      ? WeightType::kFloat32
                   : wt == at::kBFloat16 ? WeightType::kBFloat16
                                         : WeightType::kInt8;
+  w.layout = packed ? WeightLayout::kPacked : WeightLayout::kRowMajor;
   for (int i = 0; i < kNumMatrices; ++i) {
     w.matrix[i] = weights[i].data_ptr();
     w.scale[i] = scales.empty() ? nullptr : scales[i].data_ptr<float>();
@@ -168,9 +184,10 @@ std::tuple<at::Tensor, at::Tensor> draft_decode_step_cpu_op(
     const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& embed, at::TensorList weights,
     at::TensorList scales, const at::Tensor& norms, const at::Tensor& inv_freq,
-    const at::Tensor& d2t, bool from_target, int64_t num_heads, double eps, int64_t top_k) {
+    const at::Tensor& d2t, bool from_target, int64_t num_heads, int64_t fc_in, int64_t intermediate,
+    double eps, int64_t top_k) {
   const Prepared p = prepare(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
-                             inv_freq, d2t, from_target, num_heads, eps, top_k);
+                             inv_freq, d2t, from_target, num_heads, fc_in, intermediate, eps, top_k);
   const int64_t tok = token.data_ptr<int64_t>()[0];
   const int64_t pos = position.data_ptr<int64_t>()[0];
   TORCH_CHECK_VALUE(tok >= 0 && tok < embed.size(0), kOp, ": token ", tok,
@@ -192,11 +209,14 @@ std::tuple<at::Tensor, at::Tensor> draft_decode_step_cuda_op(
     const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& embed, at::TensorList weights,
     at::TensorList scales, const at::Tensor& norms, const at::Tensor& inv_freq,
-    const at::Tensor& d2t, bool from_target, int64_t num_heads, double eps, int64_t top_k) {
+    const at::Tensor& d2t, bool from_target, int64_t num_heads, int64_t fc_in, int64_t intermediate,
+    double eps, int64_t top_k) {
   const Prepared p = prepare(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
-                             inv_freq, d2t, from_target, num_heads, eps, top_k);
+                             inv_freq, d2t, from_target, num_heads, fc_in, intermediate, eps, top_k);
   TORCH_CHECK_TYPE(p.weights.weight_type == WeightType::kBFloat16, kOp,
                    ": the CUDA kernel takes bfloat16 weights, got ", weights[0].scalar_type());
+  TORCH_CHECK_VALUE(p.weights.layout == WeightLayout::kRowMajor, kOp,
+                    ": the CUDA kernel takes row-major (2-D) weights, got packed ones");
   TORCH_CHECK_VALUE(top_k <= kMaxCudaTopK, kOp, ": the CUDA kernel supports top_k <= ",
                     kMaxCudaTopK, ", got ", top_k);
   // Token and position stay on the device (no host sync) so the step can be graph-captured; the
@@ -222,7 +242,8 @@ TORCH_LIBRARY(elsi_fast, m) {
   m.def(
       "draft_decode_step(Tensor input, Tensor token, Tensor position, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor embed, Tensor[] weights, Tensor[] scales, Tensor norms, "
-      "Tensor inv_freq, Tensor d2t, bool from_target, int num_heads, float eps, int top_k) "
+      "Tensor inv_freq, Tensor d2t, bool from_target, int num_heads, int fc_in, int intermediate, "
+      "float eps, int top_k) "
       "-> (Tensor, Tensor)");
 }
 
@@ -249,4 +270,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "Whether this build contains the CUDA kernels");
   m.attr("max_cuda_top_k") = elsi_fast::kMaxCudaTopK;
+  m.attr("pack_rows") = elsi_fast::kPackRows;
+  m.attr("pack_row_bytes") = elsi_fast::kPackRowBytes;
 }

@@ -9,14 +9,16 @@ pre-norm hidden state that the next step feeds back.
 CPU: a thread team over output rows; AVX-512 (with VNNI and BF16) / AVX2 / scalar chosen at run
 time; fp32, bf16 or int8 weights. bf16 weights multiply bf16-rounded inputs, as torch's bf16 matmuls
 do; int8 weights (per-output-row scales) multiply inputs quantized to int16 with one scale per 256
-columns (`quant.fake_quantize_activation`), ~250x finer than the weight rounding. CUDA (builds with a CUDA torch): bf16 weights, device-side token
-and position so a step can be captured in a CUDA graph.
+columns (`quant.fake_quantize_activation`), ~250x finer than the weight rounding. CUDA (builds with
+a CUDA torch): bf16 weights, device-side token and position so a step can be captured in a CUDA graph.
 
 Two entry points:
   * `decode_step(draft, ...)`: what `Eagle3Draft.decode_step` calls; runs on the module's own
-    weights and its `DraftKVCache` (no copies), in the module's dtype.
-  * `NativeDraftDecoder(draft, weight_dtype, max_len)`: packs the weights once in the chosen
-    dtype (bf16 or int8 for memory-bound devices) and owns an fp32 cache.
+    row-major weights and its `DraftKVCache` (no copies), in the module's dtype.
+  * `NativeDraftDecoder(draft, weight_dtype, max_len)`: the fast path. Converts the weights once to
+    the chosen dtype (bf16 or int8 for memory-bound devices) in the packed layout (`pack_matrix`:
+    every product reads one sequential stream, ~1.1-1.6x faster steps than row-major on Zen 4) and
+    owns an fp32 cache.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ NORM_NAMES = (
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 # Largest top_k of the CUDA kernel (its per-block candidates live in shared memory).
 MAX_CUDA_TOP_K = _C.max_cuda_top_k if _C is not None else 0
+# Packed weight layout of the CPU kernels (csrc/draft_decode.h, kPackRows / kPackRowBytes).
+PACK_ROWS = _C.pack_rows if _C is not None else 4
+PACK_ROW_BYTES = _C.pack_row_bytes if _C is not None else 64
 
 
 def _op():
@@ -64,7 +69,7 @@ if _C is not None:
 
     @torch.library.register_fake("elsi_fast::draft_decode_step")
     def _draft_decode_step_fake(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
-                                inv_freq, d2t, from_target, num_heads, eps, top_k):
+                                inv_freq, d2t, from_target, num_heads, fc_in, intermediate, eps, top_k):
         return input.new_empty((top_k,), dtype=torch.int64), input.new_empty((norms.shape[1],))
 
 
@@ -182,19 +187,37 @@ def decode_step(draft: "Eagle3Draft", hidden: Tensor, token: Tensor, cache: "Dra
     for b in range(hidden.shape[0]):
         row_ids, row_hidden = _op()(
             hidden[b, 0].contiguous(), tokens[b], position, cache.key[b], cache.value[b], embed, weights, [],
-            norms, inv_freq, draft.d2t, from_target, config.num_attention_heads, config.rms_norm_eps, top_k)
+            norms, inv_freq, draft.d2t, from_target, config.num_attention_heads, config.fc_in_features,
+            config.intermediate_size, config.rms_norm_eps, top_k)
         ids.append(row_ids)
         outs.append(row_hidden)
     cache.length += 1
     return torch.stack(ids), torch.stack(outs).unsqueeze(1)
 
 
+def pack_matrix(weight: Tensor) -> Tensor:
+    """`[out, in]` -> the CPU kernels' packed layout `[ceil(out / R), ceil(in / C), R, C]`, zero
+    padded, same dtype, with R = PACK_ROWS and C = PACK_ROW_BYTES / element size (one cache line:
+    16 fp32, 32 bf16, 64 int8 columns). Each group of R rows is one contiguous run of R x C tiles,
+    so a matrix-vector product reads the matrix as one sequential stream (csrc/draft_decode.h)."""
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D [out, in] Tensor, got {getattr(weight, 'shape', type(weight))}")
+    if PACK_ROW_BYTES % weight.element_size():
+        raise ValueError(f"weight dtype {weight.dtype} does not tile a {PACK_ROW_BYTES}-byte row")
+    rows, cols = weight.shape
+    tile_cols = PACK_ROW_BYTES // weight.element_size()
+    padded = torch.nn.functional.pad(weight.detach(), (0, -cols % tile_cols, 0, -rows % PACK_ROWS))
+    groups, tiles = padded.shape[0] // PACK_ROWS, padded.shape[1] // tile_cols
+    return padded.reshape(groups, PACK_ROWS, tiles, tile_cols).permute(0, 2, 1, 3).contiguous()
+
+
 class NativeDraftDecoder:
     """Batch-1 draft decoding with weights packed once in `weight_dtype` and an fp32 KV cache.
 
     weight_dtype: "fp32" (CPU), "bf16" (CPU and CUDA) or "int8" (CPU; per-output-row scales,
-    see `quant.quantize_int8`). Matrices already in `weight_dtype` are shared with `draft`, others
-    are converted once; the norms are copied. Treat `draft` as frozen while a decoder uses it.
+    see `quant.quantize_int8`). The decoder holds its own copy of the matrices: on the CPU in the
+    packed layout (`pack_matrix`), on CUDA row-major (shared with `draft` when already bf16); the
+    norms are copied. Treat `draft` as frozen while a decoder uses it.
     `step` writes cache slot `length` and advances it; `truncate(n)` rolls back rejected draft steps.
     """
 
@@ -222,13 +245,14 @@ class NativeDraftDecoder:
         self._embed = embed if embed.dtype in _ACT_DTYPES else embed.float()
         with torch.no_grad():
             if weight_dtype == "int8":
-                packed = [quantize_int8(params[name]) for name in MATRIX_NAMES]
-                self._weights = [q for q, _ in packed]
-                self._scales = [s for _, s in packed]
+                quantized = [quantize_int8(params[name]) for name in MATRIX_NAMES]
+                matrices = [q for q, _ in quantized]
+                self._scales = [s for _, s in quantized]
             else:
-                dtype = WEIGHT_DTYPES[weight_dtype]
-                self._weights = [params[name].detach().to(dtype).contiguous() for name in MATRIX_NAMES]
+                matrices = [params[name].detach().to(WEIGHT_DTYPES[weight_dtype]) for name in MATRIX_NAMES]
                 self._scales = []
+            # The CPU kernels read packed row groups as one stream; the CUDA kernel reads row-major.
+            self._weights = [pack_matrix(m) if device.type == "cpu" else m.contiguous() for m in matrices]
             self._norms = torch.stack([params[name].detach().float() for name in NORM_NAMES]).contiguous()
         self._inv_freq = draft.rope_inv_freq(device).contiguous()
         self._d2t = draft.d2t.to(device=device, dtype=torch.int64).contiguous()
@@ -242,8 +266,21 @@ class NativeDraftDecoder:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the packed weight matrices and scales that one step reads."""
+        """Bytes of the packed weight matrices (padding included) and scales that one step reads."""
         return sum(t.numel() * t.element_size() for t in self._weights + self._scales)
+
+    def step_read_bytes(self, from_target: bool = True, length: int | None = None) -> int:
+        """Bytes one step at cache length `length` (default: the current one) reads from memory:
+        weights (fc only when `from_target`), scales, both KV caches over the attended positions,
+        the norms, the embedding row and the input vector. The numerator of a memory floor."""
+        length = self.length if length is None else length
+        fc = 0 if from_target else self._weights[0].numel() * self._weights[0].element_size() + (
+            self._scales[0].numel() * 4 if self._scales else 0)
+        cfg = self.config
+        cache = 2 * cfg.num_key_value_heads * (length + 1) * cfg.head_dim * self._k_cache.element_size()
+        width = cfg.fc_in_features if from_target else cfg.hidden_size
+        small = (self._norms.numel() + self._inv_freq.numel() + width) * 4 + cfg.hidden_size * self._embed.element_size()
+        return self.weight_bytes - fc + cache + small
 
     def reset(self) -> None:
         """Empty the KV cache."""
@@ -285,6 +322,7 @@ class NativeDraftDecoder:
         ids, hidden_out = _op()(
             hidden_or_aux.reshape(-1).contiguous(), self._token, self._position, self._k_cache, self._v_cache,
             self._embed, self._weights, self._scales, self._norms, self._inv_freq, self._d2t, bool(from_target),
-            self.config.num_attention_heads, self.config.rms_norm_eps, top_k)
+            self.config.num_attention_heads, self.config.fc_in_features, self.config.intermediate_size,
+            self.config.rms_norm_eps, top_k)
         self.length += 1
         return ids, hidden_out

@@ -105,6 +105,9 @@ SHAPES = {
     # GQA 4:1 with d a multiple of 16
     "gqa": Shape(hidden=48, heads=4, kv_heads=1, head_dim=12, intermediate=80, vocab=300, draft_vocab=64,
                  target_hidden=48, num_aux=1),
+    # head_dim 6: a KV group's q/k/v rows start inside a packed row group (PACK_ROWS = 4)
+    "ragged": Shape(hidden=20, heads=2, kv_heads=2, head_dim=6, intermediate=30, vocab=50, draft_vocab=30,
+                    target_hidden=20, num_aux=1),
     # products wider than one activation block of the int8 path (256), with ragged last blocks
     "wide": Shape(hidden=144, heads=4, kv_heads=2, head_dim=40, intermediate=600, vocab=260, draft_vocab=90,
                   target_hidden=200, num_aux=2),
@@ -212,7 +215,7 @@ def test_bf16_error_within_twice_torch_bf16(cpu_isa):
 
 
 @requires_native
-@pytest.mark.parametrize("shape_name", ["gqa", "wide"])
+@pytest.mark.parametrize("shape_name", ["gqa", "ragged", "wide"])
 def test_int8_matches_dequantized_reference(shape_name, cpu_isa):
     """Int8 weights times int16-quantized product inputs (quant.py), modeled in float64."""
     shape = SHAPES[shape_name]
@@ -321,7 +324,8 @@ def test_decoder_matches_module_in_free_running_decode():
 def op_args(decoder: native.NativeDraftDecoder, x: torch.Tensor, from_target: bool = True):
     return [x, decoder._token, decoder._position, decoder._k_cache, decoder._v_cache, decoder._embed,
             list(decoder._weights), list(decoder._scales), decoder._norms, decoder._inv_freq, decoder._d2t,
-            from_target, decoder.config.num_attention_heads, decoder.config.rms_norm_eps, 1]
+            from_target, decoder.config.num_attention_heads, decoder.config.fc_in_features,
+            decoder.config.intermediate_size, decoder.config.rms_norm_eps, 1]
 
 
 @pytest.fixture
@@ -354,10 +358,59 @@ def test_fc_width_mismatch_raises(small):
         decoder.step(torch.randn(draft.config.fc_in_features + 1), 1, True)
     with pytest.raises(ValueError, match="fc input width"):
         native._op()(*op_args(decoder, torch.randn(draft.config.fc_in_features + 1)))
-    args = op_args(decoder, torch.randn(draft.config.fc_in_features))
-    args[6][0] = torch.randn(draft.config.hidden_size, draft.config.fc_in_features + 2)
-    with pytest.raises(ValueError, match="fc input width"):
+    d, width = draft.config.hidden_size, draft.config.fc_in_features
+    args = op_args(decoder, torch.randn(width))
+    args[6][0] = native.pack_matrix(torch.randn(d, width + native.PACK_ROW_BYTES))
+    with pytest.raises(ValueError, match="fc \\(packed\\) must have shape"):
         native._op()(*args)
+    # row-major weights (the module's own) are checked against the same widths
+    args[6] = [draft.get_parameter(name).detach() for name in native.MATRIX_NAMES]
+    native._op()(*args)
+    args[6][0] = torch.randn(d, width + 2)
+    with pytest.raises(ValueError, match="fc must have shape"):
+        native._op()(*args)
+    args[6][0] = native.pack_matrix(draft.fc.weight)
+    with pytest.raises(ValueError, match="q_proj must be 4-D"):
+        native._op()(*args)
+
+
+@requires_native
+@pytest.mark.parametrize("weight_dtype", ["fp32", "int8"])
+def test_step_read_bytes_counts_weights_scales_and_cache(weight_dtype):
+    draft = make_draft(SHAPES["wide"], seed=17)
+    cfg = draft.config
+    decoder = native.NativeDraftDecoder(draft, weight_dtype, max_len=8)
+    itemsize = {"fp32": 4, "int8": 1}[weight_dtype]
+    padded = sum(math.ceil(w.shape[0] / native.PACK_ROWS) * native.PACK_ROWS
+                 * math.ceil(w.shape[1] * itemsize / native.PACK_ROW_BYTES) * native.PACK_ROW_BYTES
+                 for w in (draft.get_parameter(name) for name in native.MATRIX_NAMES))
+    scales = sum(draft.get_parameter(name).shape[0] * 4 for name in native.MATRIX_NAMES) if itemsize == 1 else 0
+    assert decoder.weight_bytes == padded + scales
+    per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert decoder.step_read_bytes(True, 5) - decoder.step_read_bytes(True, 4) == per_position
+    fc = decoder._weights[0].numel() * itemsize + (cfg.hidden_size * 4 if itemsize == 1 else 0)
+    wider_input = (cfg.fc_in_features - cfg.hidden_size) * 4
+    assert decoder.step_read_bytes(True, 3) - decoder.step_read_bytes(False, 3) == fc + wider_input
+    assert decoder.step_read_bytes(True, 3) > decoder.weight_bytes + 4 * per_position
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_pack_matrix_layout(dtype):
+    """Element [g, t, j, c] of the packed matrix is w[g * R + j, t * C + c] with C columns filling one
+    PACK_ROW_BYTES line; padding is zero."""
+    cols_per_tile = native.PACK_ROW_BYTES // torch.empty(0, dtype=dtype).element_size()
+    rows, cols = 2 * native.PACK_ROWS + 1, cols_per_tile + 5
+    w = (torch.arange(rows * cols).view(rows, cols) % 101 + 1).to(dtype)
+    packed = native.pack_matrix(w)
+    assert packed.shape == (3, 2, native.PACK_ROWS, cols_per_tile) and packed.dtype == dtype
+    assert packed.is_contiguous()
+    g, t, j, c = torch.meshgrid(*[torch.arange(n) for n in packed.shape], indexing="ij")
+    r, k = g * native.PACK_ROWS + j, t * cols_per_tile + c
+    inside = (r < rows) & (k < cols)
+    assert torch.equal(packed[inside], w[r[inside], k[inside]])
+    assert not packed[~inside].any()
+    with pytest.raises(ValueError, match="2-D"):
+        native.pack_matrix(w[0])
 
 
 @requires_native
@@ -371,8 +424,11 @@ def test_dtype_and_device_mismatches_raise(small):
     with pytest.raises(TypeError, match="k_proj must be"):
         native._op()(*args)
     args = op_args(decoder, aux)
-    args[6] = [w.to(torch.int8) for w in args[6]]
+    args[6] = [native.pack_matrix(draft.get_parameter(name).detach().to(torch.int8)) for name in native.MATRIX_NAMES]
     with pytest.raises(ValueError, match="int8 weights need"):
+        native._op()(*args)
+    args[6] = [draft.get_parameter(name).detach().to(torch.int8) for name in native.MATRIX_NAMES]
+    with pytest.raises(TypeError, match="int8 weights must be packed"):
         native._op()(*args)
     args = op_args(decoder, aux)
     args[3] = args[3].bfloat16()
