@@ -20,7 +20,8 @@ positions; with tau measured on the trained pair the speedup a user would see is
     modeled = tau * t_target(1) / (t_target(k+1) + (k - 1 + tau) * t_draft_step)
 
 (per round: k-1 draft-fed proposal steps and tau re-extended positions, one verification forward;
-python overhead and the cache bookkeeping are left out, so it is labeled "modeled").
+python overhead and the cache bookkeeping are left out, so it is labeled "modeled"), for every k
+of `--k` with tau measured at that k and dtype, and the tau at which it would break even.
   -> bench/results/spec_e2e_cpu.jsonl
 
 Run from the repository root: `python bench/bench_spec_e2e.py --demo-out elsi-fast-demo [--threads N]`.
@@ -93,12 +94,12 @@ def _demo_pair(demo_out: str):
     return model, draft, assistant, prompts, layers, folder
 
 
-def bench_measured(args, dev: str) -> dict[str, float]:
-    """Tokens/s of every contender on the trained demo pair; returns tau per draft dtype."""
+def bench_measured(args, dev: str) -> None:
+    """Tokens/s of every contender on the trained demo pair (k = the first of --k)."""
     from transformers import GenerationConfig
 
     model, draft, assistant, prompts, layers, folder = _demo_pair(args.demo_out)
-    n_new, k = args.new_tokens, args.k
+    n_new, k = args.new_tokens, args.k[0]
     # No EOS: every contender generates exactly n_new tokens, so tokens/s compare like for like.
     greedy_config = GenerationConfig(do_sample=False, max_new_tokens=n_new, eos_token_id=None, pad_token_id=0)
     max_len = max(p.shape[1] for p in prompts) + n_new + k + 1
@@ -151,7 +152,17 @@ def bench_measured(args, dev: str) -> dict[str, float]:
         tau = f", tau {taus[name]:.2f}" if name in taus else ""
         print(f"measured {name:<16} {value:8.1f} tokens/s  {value / rate['greedy']:.2f}x greedy{tau}"
               + (f"  [{backends[name]}]" if name in backends else ""))
-    return {dtype: taus[f"eagle3_{dtype}"] for dtype in DTYPES}
+
+
+def demo_taus(args) -> dict[tuple[str, int], float]:
+    """tau of the trained demo pair per (draft dtype, k) on the benchmark prompts (not timed)."""
+    from elsi_fast.train import evaluate_tau
+
+    model, draft, _, prompts, _, _ = _demo_pair(args.demo_out)
+    grouped = {"stdlib": [p[0] for p in prompts]}
+    return {(dtype, k): evaluate_tau(model, draft, grouped, k=k, max_new_tokens=args.new_tokens,
+                                     draft_dtype=dtype)["all"]
+            for dtype in DTYPES for k in args.k}
 
 
 # ------------------------------------------------------------------------------------ modeled
@@ -173,8 +184,8 @@ def _random_target(d: int, intermediate: int, heads: int, kv_heads: int, vocab: 
     return model
 
 
-def bench_modeled(args, dev: str, taus: dict[str, float]) -> None:
-    d, k, context = args.model_d, args.k, args.context
+def bench_modeled(args, dev: str, taus: dict[tuple[str, int], float]) -> None:
+    d, context, k_max = args.model_d, args.context, max(args.k)
     intermediate = {768: 2048, 1024: 2816}.get(d, 4 * d)
     heads = d // 64
     target = _random_target(d, intermediate, heads, heads // 2, 32000)
@@ -204,7 +215,7 @@ def bench_modeled(args, dev: str, taus: dict[str, float]) -> None:
         return run
 
     feedback = torch.randn(d)
-    decoders = {dtype: native.NativeDraftDecoder(draft, dtype, max_len=context + 2 * k + 8) for dtype in DTYPES}
+    decoders = {dtype: native.NativeDraftDecoder(draft, dtype, max_len=context + 2 * k_max + 8) for dtype in DTYPES}
 
     def native_step(decoder) -> Callable[[], None]:
         def run() -> None:
@@ -223,7 +234,7 @@ def bench_modeled(args, dev: str, taus: dict[str, float]) -> None:
 
         return run
 
-    torch_cache = draft.new_cache(context + 2 * k + 8)
+    torch_cache = draft.new_cache(context + 2 * k_max + 8)
     torch_cache.length = context
 
     def torch_extend(n: int) -> Callable[[], None]:
@@ -236,10 +247,10 @@ def bench_modeled(args, dev: str, taus: dict[str, float]) -> None:
 
         return run
 
-    fns = {"target_1": target_forward(1), f"target_{k + 1}": target_forward(k + 1)}
+    fns = {"target_1": target_forward(1), **{f"target_{k + 1}": target_forward(k + 1) for k in args.k}}
     fns.update({f"draft_step_{dtype}": native_step(dec) for dtype, dec in decoders.items()})
     fns["draft_step_torch_fp32"] = torch_extend(1)
-    for n in sorted({1, 2, k + 1}):
+    for n in sorted({1, 2, k_max + 1}):
         fns[f"extend{n}_torch_fp32"] = torch_extend(n)
         fns[f"extend{n}_native_fp32"] = native_extend(decoders["fp32"], n)
         fns[f"extend{n}_native_int8"] = native_extend(decoders["int8"], n)
@@ -253,21 +264,26 @@ def bench_modeled(args, dev: str, taus: dict[str, float]) -> None:
 
     params = dict(_conditions(torch.get_num_threads()), target=f"random Llama 12 blocks d={d} I={intermediate} "
                   f"heads {heads}/{heads // 2} vocab 32000 fp32", target_params=target_params, context=context,
-                  k=k, draft_m=1, rounds=args.rounds)
+                  draft_m=1, rounds=args.rounds)
     for name, value in seconds.items():
         record(FILE, "spec_e2e_modeled_parts", f"{name}_ms", value * 1e3, "ms", device=dev, params=params)
         print(f"memory-bound d={d}: {name:<24} {value * 1e3:8.3f} ms")
-    t1, tk = seconds["target_1"], seconds[f"target_{k + 1}"]
+    t1 = seconds["target_1"]
     for dtype in DTYPES:
-        tau = taus[dtype]
         step = seconds[f"draft_step_{dtype}"]
-        speedup = tau * t1 / (tk + (k - 1 + tau) * step)
-        record(FILE, "spec_e2e_modeled", f"eagle3_{dtype}_modeled_speedup", speedup, "x", device=dev,
-               baseline=1.0, ratio=speedup,
-               params=dict(params, tau=tau, tau_source="measured on the trained demo pair", t_target_1_ms=t1 * 1e3,
-                           t_target_k1_ms=tk * 1e3, t_draft_step_ms=step * 1e3,
-                           formula="tau*t1/(t(k+1)+(k-1+tau)*t_step)", label="modeled"))
-        print(f"modeled speedup over greedy, native {dtype}: {speedup:.2f}x (tau {tau:.2f})")
+        for k in args.k:
+            tau, tk = taus[(dtype, k)], seconds[f"target_{k + 1}"]
+            speedup = tau * t1 / (tk + (k - 1 + tau) * step)
+            # The tau at which this k and these timings break even with greedy decoding.
+            break_even = (tk + (k - 1) * step) / (t1 - step)
+            record(FILE, "spec_e2e_modeled", f"eagle3_{dtype}_k{k}_modeled_speedup", speedup, "x", device=dev,
+                   baseline=1.0, ratio=speedup,
+                   params=dict(params, k=k, tau=tau, tau_source="measured on the trained demo pair",
+                               break_even_tau=break_even, t_target_1_ms=t1 * 1e3, t_target_k1_ms=tk * 1e3,
+                               t_draft_step_ms=step * 1e3, formula="tau*t1/(t(k+1)+(k-1+tau)*t_step)",
+                               label="modeled"))
+            print(f"modeled speedup over greedy, native {dtype}, k={k}: {speedup:.2f}x "
+                  f"(tau {tau:.2f}; break-even tau {break_even:.2f})")
 
 
 def torch_prefill(draft: Eagle3Draft, n: int) -> Callable[[], None]:
@@ -298,30 +314,24 @@ def main() -> None:
     parser.add_argument("--demo-out", default="elsi-fast-demo", help="output folder of `elsi-fast demo --train-drafts`")
     parser.add_argument("--part", choices=("measured", "modeled", "all"), default="all")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (the demo's tau uses 4)")
+    parser.add_argument("--k", type=int, nargs="+", default=[4],
+                        help="draft tokens per round; measured at the first, modeled at each (default 4, the demo's)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per contender (median)")
     parser.add_argument("--model-d", type=int, default=1024, help="width of the memory-bound random target")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill", type=int, default=64, help="prompt tokens of the draft prefill timing")
-    parser.add_argument("--tau", type=float, nargs=3, default=None, metavar=("FP32", "BF16", "INT8"),
-                        help="with --part modeled: tau per dtype (default: measure it on the demo pair)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.available("cpu"):
         raise SystemExit(f"no native op: {native.describe('cpu')}")
     dev = device_name("cpu")
     print(f"{dev}; {native.describe('cpu')}; load average {os.getloadavg()}")
-    taus = None
     if args.part in ("measured", "all"):
-        taus = bench_measured(args, dev)
+        bench_measured(args, dev)
     if args.part in ("modeled", "all"):
-        if taus is None:
-            if args.tau is None:
-                raise SystemExit("--part modeled needs --tau FP32 BF16 INT8 (or run --part all)")
-            taus = dict(zip(DTYPES, args.tau))
-        bench_modeled(args, dev, taus)
+        bench_modeled(args, dev, demo_taus(args))
     print(f"load average at the end {os.getloadavg()}")
 
 
