@@ -3,7 +3,8 @@
 Each round the draft proposes `k` tokens one after another from its own fed-back hidden state;
 the target scores the pending token plus the k proposals in one forward pass; the longest prefix
 of proposals equal to the target's argmax is accepted and the target's own token follows it. The
-output therefore equals the target's greedy decoding token for token, whatever the draft does.
+output therefore equals the target's greedy decoding token for token, whatever the draft does
+(and whatever precision it runs in).
 
 Bookkeeping, for a sequence x_0 .. x_{S-1} whose last token x_{S-1} is still pending:
 - the target's KV cache holds positions 0 .. S-2;
@@ -12,6 +13,13 @@ Bookkeeping, for a sequence x_0 .. x_{S-1} whose last token x_{S-1} is still pen
 A round adds k-1 speculative draft entries (draft-fed features), verifies, crops the target
 cache to the accepted prefix, truncates the draft cache back to S-1 entries and re-extends it
 with the target's real features of the accepted positions.
+
+Draft paths. Native (`draft.native.NativeDraftDecoder`, weights in fp32, bf16 or int8): every
+draft position is one fused decode step, the prompt prefill and the re-extension over accepted
+positions included (a loop of `from_target=True` steps; the decoder owns its KV cache, so a torch
+multi-token extend cannot write into it). Torch: `Eagle3Draft.extend` over each run of target
+positions and the torch `decode_step` for every draft-fed proposal. `SpecResult.draft_calls`
+counts what ran.
 """
 
 from __future__ import annotations
@@ -20,11 +28,22 @@ import dataclasses
 import inspect
 import os
 import time
+import warnings
 from collections import Counter
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from .capture import capture_hidden_states
+
+if TYPE_CHECKING:
+    from .draft import Eagle3Draft
+    from .draft.native import NativeDraftDecoder
+
+DRAFT_DTYPES = ("fp32", "bf16", "int8")
+DRAFT_BACKENDS = ("auto", "native", "torch")
+# Draft module dtypes the native kernels take as they are (auto mode keeps the draft's precision).
+_NATIVE_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclasses.dataclass
@@ -33,7 +52,10 @@ class SpecResult:
 
     `tokens` [n_new] are the generated ids (prompt excluded). The first one comes from the
     prefill forward; every later one from a verification round, so
-    ``sum(accepted_lengths) + rounds == len(tokens) - 1``.
+    ``sum(accepted_lengths) + rounds == len(tokens) - 1``. `draft_calls` counts the draft calls
+    that ran: ``native_steps`` (fused steps, one per draft position), ``torch_extends`` (torch
+    multi-position extends) and ``torch_steps`` (torch decode steps); `draft_backend` says the same
+    in words, e.g. "native cpu (avx512, 2 threads) int8: 123 steps".
     """
 
     tokens: torch.Tensor
@@ -42,6 +64,7 @@ class SpecResult:
     draft_time_s: float
     target_time_s: float
     draft_backend: str
+    draft_calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def rounds(self) -> int:
@@ -66,17 +89,8 @@ class SpecResult:
             "new_tokens": int(self.tokens.numel()), "rounds": self.rounds, "tau": self.tau,
             "histogram": self.histogram, "k": self.k, "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s, "draft_backend": self.draft_backend,
+            "draft_calls": dict(self.draft_calls),
         }
-
-
-def _draft_backend(device: torch.device) -> str:
-    """Which decode path `Eagle3Draft.decode_step` takes on `device` (native op or torch)."""
-    from .draft import native
-    from .draft.model import DISABLE_NATIVE_ENV
-
-    if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
-        return f"torch eager ({DISABLE_NATIVE_ENV}=1)"
-    return native.describe(device)
 
 
 def _crop(cache, length: int) -> None:
@@ -117,6 +131,163 @@ class _TargetRunner:
         return greedy, aux
 
 
+# ------------------------------------------------------------------------------------ draft paths
+class _TorchDraftPath:
+    """The draft module in torch: one `extend` per run of target positions, torch decode steps."""
+
+    def __init__(self, draft, max_len: int, device: torch.device):
+        self.draft = draft
+        self.cache = draft.new_cache(max_len, batch_size=1, device=device)
+        self.extends = 0
+        self.steps = 0
+
+    def extend(self, aux: torch.Tensor, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """aux [1, T, m*d_t], ids [1, T] -> (target id the last position predicts, its hidden [1, 1, d])."""
+        weight = getattr(getattr(self.draft, "fc", None), "weight", None)
+        if isinstance(weight, torch.Tensor):
+            aux = aux.to(weight.dtype)  # a half-precision draft on an fp32 target
+        logits, hidden = self.draft.extend(aux, ids, self.cache)
+        self.extends += 1
+        return int(self.draft.draft_to_target(logits[0, -1].argmax())), hidden[:, -1:]
+
+    def step(self, hidden: torch.Tensor, token: int) -> tuple[int, torch.Tensor]:
+        """One draft-fed position: (hidden [1, 1, d], its pair token) -> (next target id, hidden)."""
+        ids = torch.tensor([[token]], dtype=torch.long, device=hidden.device)
+        ids, hidden = self.draft.decode_step(hidden, ids, self.cache, from_target=False, use_native=False)
+        self.steps += 1
+        return int(ids[0, 0]), hidden
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def calls(self) -> dict[str, int]:
+        return {"native_steps": 0, "torch_extends": self.extends, "torch_steps": self.steps}
+
+    def describe(self) -> str:
+        weight = getattr(getattr(self.draft, "fc", None), "weight", None)
+        dtype = f" {str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else ""
+        return f"torch eager{dtype}: {self.extends} extends, {self.steps} steps"
+
+
+class _NativeDraftPath:
+    """A `NativeDraftDecoder`: one fused step per draft position, target-fed or draft-fed.
+
+    Re-extension over the 1 .. k+1 accepted positions and the prompt prefill are loops of
+    `from_target=True` steps (bench/bench_spec_e2e.py times them against the torch extend).
+    """
+
+    def __init__(self, decoder: "NativeDraftDecoder"):
+        self.decoder = decoder
+        self.steps = 0
+        decoder.reset()
+
+    def extend(self, aux: torch.Tensor, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        if aux.dtype not in (torch.float32, torch.bfloat16):
+            aux = aux.float()  # e.g. an fp16 target: the kernels read fp32 or bf16 features
+        for feature, token in zip(aux[0], ids[0].tolist()):
+            top, hidden = self.decoder.step(feature, token, from_target=True)
+        self.steps += ids.shape[1]
+        return int(top[0]), hidden
+
+    def step(self, hidden: torch.Tensor, token: int) -> tuple[int, torch.Tensor]:
+        top, hidden = self.decoder.step(hidden, token, from_target=False)
+        self.steps += 1
+        return int(top[0]), hidden
+
+    def truncate(self, length: int) -> None:
+        self.decoder.truncate(length)
+
+    def calls(self) -> dict[str, int]:
+        return {"native_steps": self.steps, "torch_extends": 0, "torch_steps": 0}
+
+    def describe(self) -> str:
+        from .draft import native
+
+        return f"{native.describe(self.decoder.device)} {self.decoder.weight_dtype}: {self.steps} steps"
+
+
+def _draft_device(draft) -> torch.device:
+    weight = getattr(getattr(draft, "fc", None), "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+
+
+def native_unavailable_reason(draft, weight_dtype: str) -> str | None:
+    """Why `draft` cannot run natively with `weight_dtype` weights, or None when it can.
+
+    Checks, in order: the draft is an `Eagle3Draft`; ELSI_FAST_DISABLE_NATIVE is not set; the
+    extension is built for the draft's device; CUDA takes bf16 weights only; and the draft's config
+    does not name an architecture variant the fused op lacks (`Eagle3Config.native_unsupported_reason()`
+    when the config has that method).
+    """
+    from .draft import Eagle3Draft
+    from .draft.model import DISABLE_NATIVE_ENV
+
+    if not isinstance(draft, Eagle3Draft):
+        return f"the draft is a {type(draft).__name__}, not an Eagle3Draft"
+    if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
+        return f"{DISABLE_NATIVE_ENV}={os.environ[DISABLE_NATIVE_ENV]} is set"
+    from .draft import native
+
+    device = _draft_device(draft)
+    if not native.available(device):
+        return f"no native op for {device}: {native.describe(device)}"
+    if device.type == "cuda" and weight_dtype != "bf16":
+        return f"the CUDA kernel takes bf16 weights only, not {weight_dtype}"
+    variant_reason = getattr(draft.config, "native_unsupported_reason", None)
+    if callable(variant_reason):
+        return variant_reason()
+    return None
+
+
+def native_decoder_for(
+    draft: "Eagle3Draft",
+    max_len: int,
+    *,
+    draft_dtype: str | None = None,
+    draft_backend: str = "auto",
+) -> "NativeDraftDecoder | None":
+    """The native decoder speculative decoding runs `draft` with, or None for the torch path.
+
+    draft_backend "torch": None (draft_dtype must be None). "native", or any explicit
+    `draft_dtype`: a `NativeDraftDecoder` in `draft_dtype` (default: the draft's own fp32 / bf16),
+    or ValueError naming draft_dtype and why it cannot run. "auto" without draft_dtype: native in
+    the draft's own precision when possible, else a warning with the reason and None.
+    `max_len`: draft positions the decoder's KV cache holds.
+    """
+    if draft_backend not in DRAFT_BACKENDS:
+        raise ValueError(f"draft_backend: expected one of {DRAFT_BACKENDS}, got {draft_backend!r}")
+    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
+        raise ValueError(f"draft_dtype: expected one of {DRAFT_DTYPES} or None, got {draft_dtype!r}")
+    if draft_backend == "torch":
+        if draft_dtype is not None:
+            raise ValueError(f"draft_dtype={draft_dtype!r} selects native weights, but draft_backend='torch' "
+                             "runs the draft module in its own dtype; drop one of them")
+        return None
+    required = draft_dtype is not None or draft_backend == "native"
+    weight = getattr(getattr(draft, "fc", None), "weight", None)
+    dtype = draft_dtype
+    if dtype is None and isinstance(weight, torch.Tensor):
+        dtype = _NATIVE_DTYPE_OF.get(weight.dtype)
+    if dtype is None:
+        reason = (f"the draft's weights are {weight.dtype}, which the native kernels do not take as they are "
+                  "(pass draft_dtype='fp32', 'bf16' or 'int8' to convert them)") if isinstance(weight, torch.Tensor) \
+            else native_unavailable_reason(draft, "fp32")
+    else:
+        reason = native_unavailable_reason(draft, dtype)
+    if reason is None:
+        from .draft.native import NativeDraftDecoder
+
+        try:
+            return NativeDraftDecoder(draft, weight_dtype=dtype, max_len=max_len)
+        except ValueError as exc:
+            reason = str(exc)
+    if required:
+        raise ValueError(f"draft_dtype={draft_dtype!r} (draft_backend={draft_backend!r}): the native draft "
+                         f"decode cannot run: {reason}")
+    warnings.warn(f"speculative decoding runs the draft in torch, not natively: {reason}", stacklevel=3)
+    return None
+
+
 def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, k: int) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError("input_ids: expected an integer tensor of token ids")
@@ -133,30 +304,63 @@ def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, k: int) -> torch
     return input_ids.long()
 
 
+def draft_positions_needed(prompt_len: int, max_new_tokens: int, k: int) -> int:
+    """KV-cache positions a draft needs for one `speculative_generate` call (upper bound)."""
+    return prompt_len + max_new_tokens + k + 1
+
+
+def _draft_path(draft, input_ids: torch.Tensor, max_new_tokens: int, k: int, draft_dtype: str | None,
+                draft_backend: str):
+    from .draft.native import NativeDraftDecoder
+
+    max_len = draft_positions_needed(input_ids.shape[1], max_new_tokens, k)
+    if isinstance(draft, NativeDraftDecoder):
+        if draft_backend == "torch" or draft_dtype not in (None, draft.weight_dtype):
+            raise ValueError(f"draft is a NativeDraftDecoder with {draft.weight_dtype} weights; it cannot run "
+                             f"with draft_backend={draft_backend!r}, draft_dtype={draft_dtype!r}")
+        if draft.max_len < max_len:
+            raise ValueError(f"draft: the NativeDraftDecoder holds max_len={draft.max_len} positions; this call "
+                             f"needs {max_len} (prompt + max_new_tokens + k + 1)")
+        return _NativeDraftPath(draft)
+    decoder = native_decoder_for(draft, max_len, draft_dtype=draft_dtype, draft_backend=draft_backend)
+    if decoder is not None:
+        return _NativeDraftPath(decoder)
+    return _TorchDraftPath(draft, max_len, input_ids.device)
+
+
+DraftLike = Union["Eagle3Draft", "NativeDraftDecoder"]
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
-    draft,
+    draft: DraftLike,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     k: int,
     *,
     eos_token_id: int | None = None,
+    draft_dtype: str | None = None,
+    draft_backend: str = "auto",
 ) -> SpecResult:
     """Greedy speculative decoding of `target` with an EAGLE3 `draft`, batch 1.
 
     target: a transformers causal LM; draft: an `Eagle3Draft` (its ``config.aux_layer_ids`` name
-    the target layers it reads, input-to-layer convention). input_ids: [T] or [1, T].
-    Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` when given.
+    the target layers it reads, input-to-layer convention) or a `NativeDraftDecoder` built from one
+    (reused across calls; it is reset here). input_ids: [T] or [1, T].
+    draft_dtype: None, "fp32", "bf16" or "int8": the native weight precision; an explicit value
+    must run natively (ValueError with the reason otherwise). draft_backend: "auto" (native in the
+    draft's own precision when possible, else torch with a warning saying why), "native" or
+    "torch". Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` when given.
     Returns a `SpecResult` whose tokens equal the target's own greedy decoding.
     """
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
     if draft.config.aux_layer_ids is None:
         raise ValueError("draft: its config has no aux_layer_ids, so the target layers it reads are unknown")
     device = input_ids.device
+    path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
     runner = _TargetRunner(target, draft.config.aux_layer_ids)
     prompt_len = input_ids.shape[1]
-    cache = draft.new_cache(prompt_len + max_new_tokens + k + 1, batch_size=1, device=device)
     draft_seconds = 0.0
 
     greedy, aux = runner.forward(input_ids)
@@ -164,7 +368,7 @@ def speculative_generate(
     # Draft pairs (h_t, x_{t+1}) for every prompt position; the last output predicts x_{S}.
     pair_ids = torch.cat([input_ids[:, 1:], greedy[:, -1:]], dim=1)
     start = time.perf_counter()
-    logits, hidden = draft.extend(aux, pair_ids, cache)
+    proposal, hidden = path.extend(aux, pair_ids)
     draft_seconds += time.perf_counter() - start
 
     accepted_lengths: list[int] = []
@@ -175,13 +379,10 @@ def speculative_generate(
         start = time.perf_counter()
         proposals: list[int] = []
         if round_k > 0:
-            token = draft.draft_to_target(logits[:, -1].argmax(dim=-1, keepdim=True))  # [1, 1]
-            proposals.append(int(token))
-            hidden = hidden[:, -1:]
+            proposals.append(proposal)
             for _ in range(round_k - 1):
-                token, hidden = draft.decode_step(hidden, token, cache, from_target=False)
-                token = token[:, :1]
-                proposals.append(int(token))
+                proposal, hidden = path.step(hidden, proposal)
+                proposals.append(proposal)
         draft_seconds += time.perf_counter() - start
 
         verify = torch.tensor([[emitted[-1], *proposals]], dtype=torch.long, device=device)
@@ -201,13 +402,13 @@ def speculative_generate(
         if len(emitted) >= max_new_tokens or emitted[-1] == eos_token_id:
             break
         start = time.perf_counter()
-        cache.truncate(seq_len - 1)
+        path.truncate(seq_len - 1)
         pair_ids = torch.tensor([new_tokens], dtype=torch.long, device=device)
-        logits, hidden = draft.extend(aux[:, : len(new_tokens)], pair_ids, cache)
+        proposal, hidden = path.extend(aux[:, : len(new_tokens)], pair_ids)
         draft_seconds += time.perf_counter() - start
 
     return SpecResult(
         tokens=torch.tensor(emitted, dtype=torch.long), accepted_lengths=accepted_lengths, k=k,
-        draft_time_s=draft_seconds, target_time_s=runner.seconds,
-        draft_backend=_draft_backend(device),
+        draft_time_s=draft_seconds, target_time_s=runner.seconds, draft_backend=path.describe(),
+        draft_calls=path.calls(),
     )

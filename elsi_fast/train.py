@@ -25,7 +25,7 @@ import torch
 
 from .capture import capture_hidden_states, decoder_layers
 from .draft import Eagle3Config, Eagle3Draft
-from .spec import speculative_generate
+from .spec import SpecResult, draft_positions_needed, native_decoder_for, speculative_generate
 from .targets import warmup_cosine
 
 STATE_FILE = "training_state.pt"
@@ -264,6 +264,55 @@ def train_draft(
     return draft
 
 
+def speculative_runs(
+    target,
+    draft,
+    prompts_by_category: Mapping[str, Sequence[Sequence[int] | torch.Tensor]],
+    *,
+    k: int = 4,
+    max_new_tokens: int = 48,
+    draft_dtype: str | None = None,
+    draft_backend: str = "auto",
+    progress: bool = False,
+) -> dict[str, list[SpecResult]]:
+    """`speculative_generate` on every prompt: category -> one `SpecResult` per prompt.
+
+    The draft path is chosen once (`spec.native_decoder_for`; draft_dtype / draft_backend as in
+    `speculative_generate`), so int8 weights are quantized once and auto mode warns at most once.
+    """
+    from tqdm.auto import tqdm
+
+    if not prompts_by_category:
+        raise ValueError("prompts_by_category: no categories given")
+    jobs = [(cat, torch.as_tensor(ids, dtype=torch.long)) for cat, prompts in prompts_by_category.items()
+            for ids in prompts]
+    longest = max((ids.numel() for _, ids in jobs), default=1)
+    decoder = native_decoder_for(draft, draft_positions_needed(longest, max_new_tokens, k),
+                                 draft_dtype=draft_dtype, draft_backend=draft_backend)
+    runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
+    for category, ids in tqdm(jobs, desc="eval tau", disable=not progress):
+        if decoder is not None:
+            result = speculative_generate(target, decoder, ids, max_new_tokens, k)
+        else:
+            result = speculative_generate(target, draft, ids, max_new_tokens, k, draft_backend="torch")
+        runs[category].append(result)
+    return runs
+
+
+def pooled_tau(runs: Mapping[str, Sequence[SpecResult]]) -> dict[str, float]:
+    """tau per category = (accepted + rounds) / rounds summed over its prompts; "all" pools every one."""
+    totals: dict[str, list[int]] = {}
+    for category, results in runs.items():
+        for result in results:
+            for key in (category, "all"):
+                emitted, rounds = totals.setdefault(key, [0, 0])
+                totals[key] = [emitted + sum(result.accepted_lengths) + result.rounds, rounds + result.rounds]
+    empty = [cat for cat, (_, rounds) in totals.items() if rounds == 0]
+    if empty:
+        raise ValueError(f"max_new_tokens: no verification round ran for {empty}; use max_new_tokens >= 2")
+    return {cat: emitted / rounds for cat, (emitted, rounds) in totals.items()}
+
+
 def evaluate_tau(
     target,
     draft,
@@ -271,26 +320,15 @@ def evaluate_tau(
     *,
     k: int = 4,
     max_new_tokens: int = 48,
+    draft_dtype: str | None = None,
+    draft_backend: str = "auto",
     progress: bool = False,
 ) -> dict[str, float]:
     """Mean acceptance length tau per category, pooled over its prompts.
 
     prompts_by_category: category -> list of prompt token ids. tau = (accepted + rounds) /
     rounds summed over every prompt of the category; the key ``"all"`` pools every category.
+    draft_dtype / draft_backend: the draft's decode path, as in `speculative_generate`.
     """
-    from tqdm.auto import tqdm
-
-    if not prompts_by_category:
-        raise ValueError("prompts_by_category: no categories given")
-    totals: dict[str, list[int]] = {}
-    jobs = [(cat, ids) for cat, prompts in prompts_by_category.items() for ids in prompts]
-    for category, ids in tqdm(jobs, desc="eval tau", disable=not progress):
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        result = speculative_generate(target, draft, ids, max_new_tokens, k)
-        for key in (category, "all"):
-            emitted, rounds = totals.setdefault(key, [0, 0])
-            totals[key] = [emitted + sum(result.accepted_lengths) + result.rounds, rounds + result.rounds]
-    empty = [cat for cat, (_, rounds) in totals.items() if rounds == 0]
-    if empty:
-        raise ValueError(f"max_new_tokens: no verification round ran for {empty}; use max_new_tokens >= 2")
-    return {cat: emitted / rounds for cat, (emitted, rounds) in totals.items()}
+    return pooled_tau(speculative_runs(target, draft, prompts_by_category, k=k, max_new_tokens=max_new_tokens,
+                                       draft_dtype=draft_dtype, draft_backend=draft_backend, progress=progress))

@@ -52,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-prompts", type=int, default=None, help="prompts per category (default: all)")
     evaluate.add_argument("--max-prompt-tokens", type=int, default=256, help="truncate prompts to this many tokens")
     evaluate.add_argument("--device", default=None)
+    evaluate.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=None,
+                          help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
+                          "run natively (default: the draft's own precision, torch with a warning if not native)")
+    evaluate.add_argument("--draft-backend", choices=("auto", "native", "torch"), default="auto",
+                          help="draft decode path (default auto: native when it can run)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true")
     evaluate.set_defaults(func=eval_handler)
@@ -106,7 +111,7 @@ def prompts_by_category(path: str, tokenizer, max_prompts: int | None, max_token
 
 def eval_handler(args: argparse.Namespace) -> int:
     from ..draft import Eagle3Draft
-    from ..train import evaluate_tau
+    from ..train import pooled_tau, speculative_runs
     from .analyze import load_model
 
     model, tokenizer = load_model(args.target, args.device, "float32")
@@ -115,9 +120,16 @@ def eval_handler(args: argparse.Namespace) -> int:
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompts, tokenizer, args.max_prompts, args.max_prompt_tokens)
-    taus = evaluate_tau(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
-                        progress=not args.no_progress)
+    runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
+                            draft_dtype=args.draft_dtype, draft_backend=args.draft_backend,
+                            progress=not args.no_progress)
+    taus = pooled_tau(runs)
+    results = [result for per_prompt in runs.values() for result in per_prompt]
+    draft_calls = {key: sum(r.draft_calls.get(key, 0) for r in results) for key in results[0].draft_calls}
+    backend = results[0].draft_backend.split(":")[0]
     print(f"draft layers {list(draft.config.aux_layer_ids)}, k={args.k}, {args.max_new_tokens} new tokens per prompt")
+    print(f"draft backend: {backend}; calls over all prompts: "
+          + ", ".join(f"{key} {count}" for key, count in draft_calls.items()))
     print(f"{'category':<24} {'prompts':>7} {'tau':>6}")
     for category, tau in taus.items():
         count = sum(map(len, grouped.values())) if category == "all" else len(grouped[category])
@@ -125,5 +137,6 @@ def eval_handler(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
-                       "max_new_tokens": args.max_new_tokens, "tau": taus}, f, indent=1)
+                       "max_new_tokens": args.max_new_tokens, "tau": taus, "draft_backend": backend,
+                       "draft_calls": draft_calls}, f, indent=1)
     return 0
