@@ -236,7 +236,7 @@ def train_draft(
     was_training = target.training
     target.eval()
     draft.train()
-    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers}", disable=not progress)
+    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})", disable=not progress)
     try:
         while step < steps:
             starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=sampler)
@@ -284,7 +284,7 @@ def evaluate_tau(
         raise ValueError("prompts_by_category: no categories given")
     totals: dict[str, list[int]] = {}
     jobs = [(cat, ids) for cat, prompts in prompts_by_category.items() for ids in prompts]
-    for category, ids in tqdm(jobs, desc="eval tau", disable=not progress):
+    for category, ids in tqdm(jobs, desc=f"eval tau (threads: {torch.get_num_threads()})", disable=not progress):
         ids = torch.as_tensor(ids, dtype=torch.long)
         result = speculative_generate(target, draft, ids, max_new_tokens, k)
         for key in (category, "all"):
