@@ -243,6 +243,9 @@ class LayerReport:
                     f"{method:<12} {m:>2}  {str(layers):<16} {'' if value is None else f'{value:9.3f}':>9}  "
                     f"{search:<10}  {'' if gains is None else ' '.join(f'{g:+.3f}' for g in gains)}"
                 )
+        if any(self.greedy_gains.values()):
+            lines.append("greedy-path gains: f gained at each step of the greedy search; an exhaustive search returns "
+                         "the exact optimum, which can differ from that path")
         return "\n".join(lines)
 
     def plot(self, out_dir: str) -> list[str]:

@@ -183,3 +183,14 @@ def test_training_state_file_name_matches_the_trainer():
     from elsi_fast.train import STATE_FILE
 
     assert TRAINING_STATE_FILE == STATE_FILE
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from elsi_fast.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.option_strings[0]}" for name, parser in subparsers.choices.items()
+               for action in parser._actions if action.option_strings and not action.help]
+    assert missing == []
