@@ -307,13 +307,10 @@ class LayerReport:
         # table) is several times the differences between layers and would flatten the curve.
         prompts = self.entropy_variance.get("filtered_prompts") or self.prompts.get("in_prompt_mode") or 1
         sem = std / np.sqrt(prompts)
-        top.plot(index, mean, "o-", color="C0")
-        top.fill_between(index, mean - sem, mean + sem, color="C0", alpha=0.25)
+        _plot_over_depth(top, mean, "o-", "C0", sem)
         top.set_ylabel(f"prompt mode (nats)\nmean ± s.e. over {prompts} prompts", fontsize=8)
-        _clip_embedding_outlier(top, mean, mean - sem, mean + sem)
-        middle.plot(index, dataset, "s-", color="C1")
+        _plot_over_depth(middle, dataset, "s-", "C1")
         middle.set_ylabel("dataset mode (nats)\nall kept tokens pooled", fontsize=8)
-        _clip_embedding_outlier(middle, dataset, dataset, dataset)
         for row, (label, chosen, marker, color) in enumerate(rows):
             bottom.scatter(sorted(set(chosen)), [row] * len(set(chosen)), marker=marker, s=70, color=color, zorder=3)
         bottom.set_yticks(range(len(rows)), [label for label, *_ in rows], fontsize=7)
@@ -329,22 +326,26 @@ class LayerReport:
         fig.tight_layout(h_pad=0.4)
         return fig
 
-def _clip_embedding_outlier(ax, values: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
-    """When h_0 (the embeddings) lies far outside the range of h_1..h_N, set the y-range from
-    h_1..h_N and mark h_0 at the edge with its value, so the outlier does not flatten the curve."""
-    if len(values) < 3:
-        return
+def _plot_over_depth(ax, values: np.ndarray, style: str, color: str, band: np.ndarray | None = None) -> None:
+    """values[l] over l = 0..N, with an optional +-band. When h_0 (the embeddings) lies far outside
+    the range of h_1..h_N, the y-range comes from h_1..h_N and h_0 is a marker at the edge with its
+    value, so the outlier does not flatten the curve."""
+    index = np.arange(len(values))
+    low, high = (values, values) if band is None else (values - band, values + band)
     lo, hi = float(low[1:].min()), float(high[1:].max())
     span = max(hi - lo, 1e-9)
-    if lo - span <= values[0] <= hi + span:
-        return
-    pad = 0.15 * span
-    ax.set_ylim(lo - pad, hi + pad)
-    above = values[0] > hi
-    edge = hi + pad if above else lo - pad
-    ax.plot([0], [edge], marker="^" if above else "v", color="k", clip_on=False, zorder=4)
-    ax.annotate(f"h_0 = {values[0]:.2f} (off scale)", (0, edge), xytext=(8, -10 if above else 4),
-                textcoords="offset points", fontsize=7)
+    start = 1 if len(values) >= 3 and not lo - span <= values[0] <= hi + span else 0
+    ax.plot(index[start:], values[start:], style, color=color)
+    if band is not None:
+        ax.fill_between(index[start:], low[start:], high[start:], color=color, alpha=0.25)
+    if start:
+        pad = 0.15 * span
+        ax.set_ylim(lo - pad, hi + pad)
+        above = values[0] > hi
+        edge = hi + pad if above else lo - pad
+        ax.plot([0], [edge], marker="^" if above else "v", color=color, clip_on=False, zorder=4)
+        ax.annotate(f"h_0 = {values[0]:.2f}\n(off scale)", (0, edge), xytext=(6, -20 if above else 4),
+                    textcoords="offset points", fontsize=7)
 
 
 def _save(fig, out_dir: str, name: str) -> str:
