@@ -1,21 +1,22 @@
 """The README's main job and worked example, without and with a synthetic CPU load, as a user runs them.
 
-    flock /tmp/elsi-bench.lock .venv/bin/python bench/bench_load.py [--hogs 10] [--skip-demo]
+    flock /tmp/elsi-bench.lock .venv/bin/python bench/bench_load.py [--hogs 10] [--skip-demo] [--modes ...]
 
 Jobs (each a fresh `elsi-fast` process with the CLI's default thread choice):
 - "demo": `elsi-fast demo` on an empty target cache (trains the demo target, then analyzes it);
 - "worked_example": `elsi-fast analyze` of stories260K on the 480 Spec-Bench prompts.
-Conditions:
-- "no_added_load": as the machine is (other tenants included; the load average is recorded);
-- "load": `--hogs` extra normal-priority processes that each keep one core busy (a pure CPU loop,
-  like tenants running compute jobs), started 30 s before the first job and stopped after the last;
-- "load_all_cores" (worked example only): the same load, one thread per available core
-  (`--threads`), idle workers sleeping: does taking every core pay under load?
-- "load_spinning" (worked example only): the same load with the behavior before the thread choice
-  existed: one thread per core and OpenMP workers that spin (OMP_WAIT_POLICY=ACTIVE), stopped at
-  --spin-timeout seconds, so its row is a lower bound when it hits it.
+Conditions: "no_added_load" (as the machine is, other tenants included; the load average is
+recorded) and "load" (`--hogs` extra normal-priority processes that each keep one core busy, a
+pure CPU loop like tenants running compute jobs, started 30 s before the first job and stopped
+after the last; `--hogs 0` skips it), each with thread modes (`--modes`; the demo runs "default"
+only):
+- "default": the CLI's own choice (elsi_fast.threads);
+- "all_cores": one thread per available core (`--threads`), idle workers sleeping;
+- "spinning": the behavior before the thread choice existed, one thread per core and OpenMP
+  workers that spin (OMP_WAIT_POLICY=ACTIVE), stopped at --spin-timeout seconds (a lower bound then).
 Target: every job under load within 2x of its time without added load. Rows go to
-bench/results/load_cpu.jsonl (metric "<job>_<condition>_wall", ratio = load / no added load), with
+bench/results/load_cpu.jsonl (metric "<job>_<condition>_<mode>_wall", ratio = this run / the
+default mode without added load; modes run interleaved in that order), with
 the threads each job chose (read from its progress bar) and the load average before and after.
 """
 
@@ -25,6 +26,7 @@ import argparse
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 if not SHARED.is_dir():
     SHARED = Path("/work/shared/data")
+_MODES = ("default", "all_cores", "spinning")
 _THREADS = re.compile(r"\(threads: (\d+)\)")
 
 
@@ -77,59 +80,68 @@ def _stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
-def main() -> None:
+def _record(job: str, condition: str, mode: str, result: dict, reference: dict | None, hogs: int) -> None:
+    """One row per run, written as soon as it ends (a long run cut short keeps the finished rows)."""
     from bench.common import cpu_model, record
+
+    ratio = result["wall"] / reference["wall"] if reference and reference is not result else None
+    record("load_cpu", "load", f"{job}_{condition}_{mode}_wall", result["wall"], "s",
+           device=f"{cpu_model()} ({os.cpu_count()} cores)",
+           baseline=reference["wall"] if ratio is not None else None, ratio=ratio,
+           params={"hogs": hogs if condition == "load" else 0, "threads": result["threads"],
+                   "finished": result["finished"], "cpu_seconds": result["cpu_seconds"],
+                   "load_average_before": result["load_before"], "load_average_after": result["load_after"],
+                   "omp_wait_policy": "ACTIVE" if mode == "spinning" else "PASSIVE",
+                   "thread_choice": "CLI default" if mode == "default" else "--threads (all available cores)",
+                   "command": " ".join(_job(job, "TMP", 0)[1:])})
+    if ratio is not None:
+        print(f"{job} {condition} {mode}: {ratio:.2f}x the default without added load", flush=True)
+
+
+def main() -> None:
     from elsi_fast.threads import available_cores
+
+    # A SIGTERM (timeout, kill) unwinds through `finally`, which stops the load processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hogs", type=int, default=10, help="busy processes of the synthetic load (default 10)")
     parser.add_argument("--skip-demo", action="store_true", help="only the worked example")
     parser.add_argument("--spin-timeout", type=float, default=150.0,
-                        help="seconds allowed to the spinning baseline under load (default 150)")
+                        help="seconds allowed to the spinning mode (default 150)")
+    parser.add_argument("--modes", nargs="+", choices=_MODES, default=list(_MODES),
+                        help="thread modes of the worked example (default: all)")
     args = parser.parse_args()
     jobs = ["worked_example"] if args.skip_demo else ["worked_example", "demo"]
+    modes = ["default", *[m for m in args.modes if m != "default"]]
+    conditions = ["no_added_load"] + (["load"] if args.hogs > 0 else [])
+    runs = [(condition, job, mode) for condition in conditions for job in jobs
+            for mode in (modes if job == "worked_example" else ["default"])]
     base_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    results: dict[tuple[str, str], dict] = {}
+    results: dict[tuple[str, str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [("no_added_load", job) for job in jobs] + [("load", job) for job in jobs]
-        runs += [("load_all_cores", "worked_example"), ("load_spinning", "worked_example")]
         hogs: list[subprocess.Popen] = []
         try:
-            for run, (condition, job) in enumerate(runs):
-                if condition != "no_added_load" and not hogs:
+            for run, (condition, job, mode) in enumerate(runs):
+                if condition == "load" and not hogs:
                     hogs = _start_hogs(args.hogs)
                     time.sleep(30)  # let the 1-minute load average see them, as it would see real tenants
                 env = {**base_env, "ELSI_FAST_CACHE": os.path.join(tmp, f"cache-{run}")}
                 cmd = _job(job, tmp, run)
                 timeout = None
-                if condition in ("load_all_cores", "load_spinning"):
+                if mode != "default":
                     cmd += ["--threads", str(available_cores())]
-                if condition == "load_spinning":
+                if mode == "spinning":
                     env["OMP_WAIT_POLICY"] = "ACTIVE"
                     timeout = args.spin_timeout
                 result = _run(cmd, env, timeout)
-                results[(condition, job)] = result
-                print(f"{job:<15} {condition:<14} wall {result['wall']:7.1f}s cpu {result['cpu_seconds']:7.1f}s "
+                results[(condition, job, mode)] = result
+                _record(job, condition, mode, result, results.get(("no_added_load", job, "default")), args.hogs)
+                print(f"{job:<15} {condition:<14} {mode:<10} wall {result['wall']:7.1f}s cpu {result['cpu_seconds']:7.1f}s "
                       f"threads {result['threads']} load {result['load_before']:.1f}->{result['load_after']:.1f}"
                       + ("" if result["finished"] else " (did not finish)"), flush=True)
         finally:
             _stop_hogs(hogs)
-
-    for (condition, job), result in results.items():
-        idle = results.get(("no_added_load", job))
-        ratio = result["wall"] / idle["wall"] if idle and condition != "no_added_load" else None
-        record("load_cpu", "load", f"{job}_{condition}_wall", result["wall"], "s",
-               device=f"{cpu_model()} ({os.cpu_count()} cores)",
-               baseline=idle["wall"] if ratio is not None else None, ratio=ratio,
-               params={"hogs": args.hogs if condition != "no_added_load" else 0, "threads": result["threads"],
-                       "finished": result["finished"], "cpu_seconds": result["cpu_seconds"],
-                       "load_average_before": result["load_before"], "load_average_after": result["load_after"],
-                       "omp_wait_policy": "ACTIVE" if condition == "load_spinning" else "PASSIVE (CLI default)",
-                       "thread_choice": "--threads (all available cores)" if condition.startswith("load_") else "CLI default",
-                       "command": " ".join(_job(job, "TMP", 0)[1:])})
-        if ratio is not None:
-            print(f"{job} {condition}: {ratio:.2f}x the time without added load")
-
 
 if __name__ == "__main__":
     main()
