@@ -70,7 +70,10 @@ def _run(cmd: list[str], env: dict, timeout: float | None) -> dict:
 
 
 def _start_hogs(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    # Each in its own session, as other tenants' jobs are: with the kernel's autogroup scheduling a
+    # session is a scheduling group, and hogs in the job's own session would compete inside its group.
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(count)]
 
 
 def _stop_hogs(hogs: list[subprocess.Popen]) -> None:
