@@ -1,24 +1,25 @@
 """elsi-fast: choose EAGLE3 draft layers from hidden-state entropy and CKA, in one streaming pass.
 
-Metric functions and streaming accumulators import eagerly (torch only); the model-facing API
-(`analyze`, `Eagle3Draft`, `speculative_generate`) imports transformers lazily on first use.
+Every public name imports on first use, so `import elsi_fast` (and `elsi-fast --help`) loads
+neither torch nor transformers; the metric functions need torch only, the model-facing API
+(`analyze`, `Eagle3Draft`, `speculative_generate`) transformers as well.
 """
 
-from ._backends import backends
-from .metrics import (
-    cka_matrix,
-    hsic,
-    linear_cka,
-    linear_token_entropy,
-    matrix_entropy,
-    spectrum_entropy,
-    token_entropy,
-)
-from .streaming import MinibatchHSIC, StreamingCovariance
+import importlib
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "backends": "elsi_fast._backends",
+    "cka_matrix": "elsi_fast.metrics",
+    "hsic": "elsi_fast.metrics",
+    "linear_cka": "elsi_fast.metrics",
+    "linear_token_entropy": "elsi_fast.metrics",
+    "matrix_entropy": "elsi_fast.metrics",
+    "spectrum_entropy": "elsi_fast.metrics",
+    "token_entropy": "elsi_fast.metrics",
+    "MinibatchHSIC": "elsi_fast.streaming",
+    "StreamingCovariance": "elsi_fast.streaming",
     "analyze": "elsi_fast.analysis",
     "LayerReport": "elsi_fast.report",
     "Eagle3Draft": "elsi_fast.draft",
@@ -26,24 +27,16 @@ _LAZY = {
     "speculative_generate": "elsi_fast.spec",
 }
 
-__all__ = [
-    "backends",
-    "cka_matrix",
-    "hsic",
-    "linear_cka",
-    "linear_token_entropy",
-    "matrix_entropy",
-    "spectrum_entropy",
-    "token_entropy",
-    "MinibatchHSIC",
-    "StreamingCovariance",
-    *_LAZY,
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module 'elsi_fast' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -799,7 +799,7 @@ _PASS_OPTIONS = (
 def _progress_bar(total_tokens: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="analyze", disable=not enabled)
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"analyze (threads: {torch.get_num_threads()})", disable=not enabled)
 
 
 def _build_report(

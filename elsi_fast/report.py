@@ -256,6 +256,9 @@ class LayerReport:
                     f"{method:<12} {m:>2}  {str(layers):<16} {'' if value is None else f'{value:9.3f}':>9}  "
                     f"{search:<10}  {'' if gains is None else ' '.join(f'{g:+.3f}' for g in gains)}"
                 )
+        if any(self.greedy_gains.values()):
+            lines.append("greedy-path gains: f gained at each step of the greedy search; an exhaustive search returns "
+                         "the exact optimum, which can differ from that path")
         return "\n".join(lines)
 
     def plot(self, out_dir: str) -> list[str]:
@@ -264,34 +267,10 @@ class LayerReport:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
 
         os.makedirs(out_dir, exist_ok=True)
-        index = np.arange(self.num_layers)
-        mean = np.array([e["entropy_prompt_mean"] for e in self.layers])
-        std = np.array([e["entropy_prompt_std"] for e in self.layers])
-        dataset = np.array([e["entropy_dataset"] for e in self.layers])
-        paths = []
-
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=90)
-        ax.plot(index, mean, "o-", color="C0", label="prompt mode (mean ± std)")
-        ax.fill_between(index, mean - std, mean + std, color="C0", alpha=0.2)
-        ax.set_xlabel("layer l (h_l = input of block l)")
-        ax.set_ylabel("matrix entropy, prompt mode (nats)")
-        twin = ax.twinx()
-        twin.plot(index, dataset, "s--", color="C1", label="dataset mode")
-        twin.set_ylabel("matrix entropy, dataset mode (nats)")
-        m = self._default_m()
-        markers = {"elsi": ("*", "C3"), "eagle3": ("v", "C2")}
-        for method, (marker, color) in markers.items():
-            chosen = self.selections.get(method, {}).get(str(m))
-            if chosen:
-                ax.scatter(chosen, mean[chosen], marker=marker, s=160, color=color, zorder=5, label=f"{method} m={m}")
-        handles = ax.get_legend_handles_labels()
-        twin_handles = twin.get_legend_handles_labels()
-        ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], fontsize=7, loc="lower center")
-        ax.set_title(f"{os.path.basename(self.model.rstrip('/')) or self.model}: entropy over depth", fontsize=9)
-        fig.tight_layout()
-        paths.append(_save(fig, out_dir, "entropy.png"))
+        paths = [_save(self._plot_entropy(plt), out_dir, "entropy.png")]
 
         fig, ax = plt.subplots(figsize=(4.6, 4), dpi=90)
         image = ax.imshow(np.asarray(self.cka), cmap="viridis", vmin=0, vmax=1, origin="upper")
@@ -306,15 +285,80 @@ class LayerReport:
         paths.append(_save(fig, out_dir, "cka.png"))
 
         if self.pair_gain:
+            gain = np.asarray(self.pair_gain)
+            # Diverging around 0: a loss (red) and a gain (blue) never share a color.
+            bound = max(float(np.abs(gain).max()), 1e-12)
             fig, ax = plt.subplots(figsize=(4.6, 4), dpi=90)
-            image = ax.imshow(np.asarray(self.pair_gain), cmap="magma", origin="upper")
+            image = ax.imshow(gain, cmap="RdBu", norm=TwoSlopeNorm(0.0, -bound, bound), origin="upper")
             ax.set_xlabel("added layer b")
             ax.set_ylabel("first layer a")
             ax.set_title("pair gain f({a,b}) - f({a}) (nats)", fontsize=9)
-            fig.colorbar(image, ax=ax, fraction=0.046)
+            fig.colorbar(image, ax=ax, fraction=0.046, label="nats (red: loss, blue: gain)")
             fig.tight_layout()
             paths.append(_save(fig, out_dir, "pair_gain.png"))
         return paths
+
+    def _plot_entropy(self, plt):
+        """Prompt-mode and dataset-mode entropy in two panels (two scales, never one axis shared),
+        and below them the chosen layers, one row per method, so no marker hides another."""
+        index = np.arange(self.num_layers)
+        mean = np.array([e["entropy_prompt_mean"] for e in self.layers])
+        std = np.array([e["entropy_prompt_std"] for e in self.layers])
+        dataset = np.array([e["entropy_dataset"] for e in self.layers])
+        m = self._default_m()
+        rows = [(f"ELSI m={size}", self.selections.get("elsi", {}).get(str(size)), "*", "C3")
+                for size in sorted({int(k) for k in self.selections.get("elsi", {})})]
+        rows.append((f"ELSI-C m={m}", self.selections.get("elsi-c", {}).get(str(m)), "D", "C4"))
+        rows.append(("EAGLE3 rule", self.selections.get("eagle3", {}).get("3"), "v", "C2"))
+        rows = [row for row in rows if row[1]]
+
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, sharex=True, figsize=(6.4, 5.2), dpi=90,
+            gridspec_kw={"height_ratios": [3, 2, 0.35 * max(1, len(rows)) + 0.3]},
+        )
+        # The band is the standard error of the mean over prompts: the cross-prompt std (in the
+        # table) is several times the differences between layers and would flatten the curve.
+        prompts = self.entropy_variance.get("filtered_prompts") or self.prompts.get("in_prompt_mode") or 1
+        sem = std / np.sqrt(prompts)
+        _plot_over_depth(top, mean, "o-", "C0", sem)
+        top.set_ylabel(f"prompt mode (nats)\nmean ± s.e. over {prompts} prompts", fontsize=8)
+        _plot_over_depth(middle, dataset, "s-", "C1")
+        middle.set_ylabel("dataset mode (nats)\nall kept tokens pooled", fontsize=8)
+        for row, (label, chosen, marker, color) in enumerate(rows):
+            bottom.scatter(sorted(set(chosen)), [row] * len(set(chosen)), marker=marker, s=70, color=color, zorder=3)
+        bottom.set_yticks(range(len(rows)), [label for label, *_ in rows], fontsize=7)
+        bottom.set_ylim(len(rows) - 0.5, -0.5)
+        bottom.grid(axis="x", alpha=0.3)
+        bottom.set_xticks(index)
+        bottom.set_xlabel("layer l (h_0 = embeddings, h_l = input of block l)")
+        for ax in (top, middle):
+            ax.grid(alpha=0.3)
+        name = os.path.basename(self.model.rstrip("/")) or self.model
+        top.set_title(f"{name}: matrix entropy over depth and chosen layers", fontsize=9)
+        fig.align_ylabels()
+        fig.tight_layout(h_pad=0.4)
+        return fig
+
+def _plot_over_depth(ax, values: np.ndarray, style: str, color: str, band: np.ndarray | None = None) -> None:
+    """values[l] over l = 0..N, with an optional +-band. When h_0 (the embeddings) lies far outside
+    the range of h_1..h_N, the y-range comes from h_1..h_N and h_0 is a marker at the edge with its
+    value, so the outlier does not flatten the curve."""
+    index = np.arange(len(values))
+    low, high = (values, values) if band is None else (values - band, values + band)
+    lo, hi = float(low[1:].min()), float(high[1:].max())
+    span = max(hi - lo, 1e-9)
+    start = 1 if len(values) >= 3 and not lo - span <= values[0] <= hi + span else 0
+    ax.plot(index[start:], values[start:], style, color=color)
+    if band is not None:
+        ax.fill_between(index[start:], low[start:], high[start:], color=color, alpha=0.25)
+    if start:
+        pad = 0.15 * span
+        ax.set_ylim(lo - pad, hi + pad)
+        above = values[0] > hi
+        edge = hi + pad if above else lo - pad
+        ax.plot([0], [edge], marker="^" if above else "v", color=color, clip_on=False, zorder=4)
+        ax.annotate(f"h_0 = {values[0]:.2f}\n(off scale)", (0, edge), xytext=(6, -20 if above else 4),
+                    textcoords="offset points", fontsize=7)
 
 
 def _save(fig, out_dir: str, name: str) -> str:

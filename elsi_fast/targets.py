@@ -245,7 +245,7 @@ def train_target(recipe: TargetRecipe, out_dir: str | os.PathLike, *, progress: 
     gen = torch.Generator().manual_seed(recipe.seed)
     offsets = torch.arange(window)
     losses: list[float] = []
-    bar = tqdm(range(recipe.steps), desc=f"train target {recipe.name}", disable=not progress)
+    bar = tqdm(range(recipe.steps), desc=f"train target {recipe.name} (threads: {torch.get_num_threads()})", disable=not progress)
     for _ in bar:
         starts = torch.randint(0, stream.numel() - window + 1, (recipe.batch_size,), generator=gen)
         batch = stream[starts[:, None] + offsets]

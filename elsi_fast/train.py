@@ -236,7 +236,7 @@ def train_draft(
     was_training = target.training
     target.eval()
     draft.train()
-    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers}", disable=not progress)
+    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})", disable=not progress)
     try:
         while step < steps:
             starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=sampler)
@@ -290,7 +290,7 @@ def speculative_runs(
     decoder = native_decoder_for(draft, draft_positions_needed(longest, max_new_tokens, k),
                                  draft_dtype=draft_dtype, draft_backend=draft_backend)
     runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
-    for category, ids in tqdm(jobs, desc="eval tau", disable=not progress):
+    for category, ids in tqdm(jobs, desc=f"eval tau (threads: {torch.get_num_threads()})", disable=not progress):
         if decoder is not None:
             result = speculative_generate(target, decoder, ids, max_new_tokens, k)
         else:
@@ -310,7 +310,8 @@ def pooled_tau(runs: Mapping[str, Sequence[SpecResult]]) -> dict[str, float]:
     empty = [cat for cat, (_, rounds) in totals.items() if rounds == 0]
     if empty:
         raise ValueError(f"max_new_tokens: no verification round ran for {empty}; use max_new_tokens >= 2")
-    return {cat: emitted / rounds for cat, (emitted, rounds) in totals.items()}
+    pooled = totals.pop("all")
+    return {**{cat: emitted / rounds for cat, (emitted, rounds) in totals.items()}, "all": pooled[0] / pooled[1]}
 
 
 def evaluate_tau(

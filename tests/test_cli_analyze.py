@@ -13,6 +13,7 @@ def run_cli(argv):
     parser = argparse.ArgumentParser(prog="elsi-fast")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    args.check(args)
     return args.func(args)
 
 
@@ -29,8 +30,9 @@ def test_analyze_stories260k(shared_data, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["num_hidden_layers"] == 5 and len(report["layers"]) == 6
     assert report["options"]["m"] == [1, 2] and report["options"]["max_prompts"] is None
-    for name in ("entropy.png", "cka.png", "pair_gain.png", "serving_configs.json", "state.pt"):
+    for name in ("entropy.png", "cka.png", "pair_gain.png", "serving_configs.json"):
         assert (out / name).stat().st_size > 0
+    assert not (out / "state.pt").exists()  # removed after a successful run (--keep-state keeps it)
     configs = json.loads((out / "serving_configs.json").read_text())
     elsi2 = report["selections"]["elsi"]["2"]
     assert configs["elsi/m=2/vllm"]["config"] == {"eagle_aux_hidden_state_layer_ids": elsi2, "num_aux_hidden_states": 2}
@@ -42,9 +44,9 @@ def test_analyze_bad_prompt_file(shared_data, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
-    with pytest.raises(ValueError, match="no prompts"):
+    with pytest.raises(ValueError, match="--prompts: .* contains no prompts"):
         run_cli(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o"), "--no-progress"])
-    with pytest.raises(ValueError, match="m: each set size"):
+    with pytest.raises(ValueError, match="--m: each set size"):
         run_cli(["analyze", "--model", model, "--prompts", os.path.join(shared_data, "prompts", "mt_bench_question.jsonl"),
                  "--out", str(tmp_path / "o"), "--m", "5", "--max-prompts", "2", "--no-progress"])
 
@@ -56,4 +58,4 @@ def test_entry_point_reports_bad_input_with_exit_code_2(shared_data, tmp_path, c
     empty.write_text("")
     model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
     assert main(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o")]) == 2
-    assert "elsi-fast analyze: error: prompts:" in capsys.readouterr().err
+    assert "elsi-fast analyze: error: --prompts:" in capsys.readouterr().err

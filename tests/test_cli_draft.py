@@ -50,6 +50,7 @@ def test_train_then_eval(setup, capsys):
     assert set(taus) == {"qa", "rag", "all"}
     assert all(1.0 <= tau <= 3.0 for tau in taus.values())
     rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines()[2:]}
+    assert printed.splitlines()[-1].split()[0] == "all"  # the pooled row comes last
     assert rows["qa"] == ["2", f"{taus['qa']:.3f}"]  # --max-prompts caps each category
     assert rows["all"] == ["3", f"{taus['all']:.3f}"]
 

@@ -27,9 +27,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="elsi-fast-demo", help="output folder (default ./elsi-fast-demo)")
     parser.add_argument("--train-drafts", action="store_true",
                         help="also train ELSI m=1 and EAGLE3-default m=3 drafts and compare their tau")
-    parser.add_argument("--steps", type=int, default=80, help="training steps per draft (default 80)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=handler)
+    parser.add_argument("--steps", type=int, default=80, help="training steps per draft, with --train-drafts (default 80)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=handler, check=check, interrupted=interrupted)
+
+
+def check(args: argparse.Namespace) -> None:
+    from . import UsageError
+    from .analyze import check_out_folder
+
+    check_out_folder(args.out)
+    if args.steps < 1:
+        raise UsageError(f"--steps: must be >= 1, got {args.steps}")
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    return ("rerun the same command: a finished demo target (cached in $ELSI_FAST_CACHE or ~/.cache/elsi-fast) "
+            "and finished or partly trained drafts are reused")
 
 
 def _calibration_file(out: str) -> str:
@@ -72,30 +86,52 @@ def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) ->
         json.dump({label: {"layers": contenders[label], "tau": taus[label]} for label in contenders}, f, indent=1)
 
 
+def _training_file(out: str) -> str:
+    """The target's training text (stdlib code), for `elsi-fast train-draft --data`."""
+    from ..targets import DEMO, training_texts
+
+    path = os.path.join(out, "train.txt")
+    with open(path, "w") as f:
+        f.write("\n\n".join(training_texts(DEMO)))
+    return path
+
+
+def _link_target(target_dir: str, out: str) -> str:
+    """OUT/target -> the cached target, so later commands can say `--target OUT/target`."""
+    link = os.path.join(out, "target")
+    if os.path.islink(link) or os.path.exists(link):
+        os.remove(link)
+    os.symlink(os.path.abspath(target_dir), link)
+    return link
+
+
 def handler(args: argparse.Namespace) -> int:
     from ..targets import build_demo_target
     from . import build_parser
 
-    if args.steps < 1:
-        raise ValueError(f"--steps: must be >= 1, got {args.steps}")
     start = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
     target_dir = str(build_demo_target(progress=not args.no_progress))
     built = time.perf_counter()
-    print(f"demo target: {target_dir} ({built - start:.0f}s)")
+    os.makedirs(args.out, exist_ok=True)
+    link = _link_target(target_dir, args.out)
+    print(f"demo target: {target_dir} ({built - start:.0f}s), linked as {link}")
 
     analyze_argv = ["analyze", "--model", target_dir, "--prompts", _calibration_file(args.out), "--out", args.out,
                     "--m", "1", "3", "--device", "cpu", "--max-tokens", "128"]
     if args.no_progress:
         analyze_argv.append("--no-progress")
     analyze_args = build_parser().parse_args(analyze_argv)
+    analyze_args.check(analyze_args)
     code = analyze_args.func(analyze_args)
     if code:
         return code
     analyzed = time.perf_counter()
+    data = _training_file(args.out)
     if args.train_drafts:
         _train_and_compare(target_dir, args.out, args.steps, not args.no_progress)
     done = time.perf_counter()
     print(f"\ntimes: target {built - start:.0f}s, analysis {analyzed - built:.0f}s"
           + (f", drafts {done - analyzed:.0f}s" if args.train_drafts else "") + f", total {done - start:.0f}s")
+    print(f"\nnext: elsi-fast train-draft --target {link} --report {os.path.join(args.out, 'report.json')} "
+          f"--method elsi --m 1 --data {data} --out {os.path.join(args.out, 'drafts', 'elsi1')}")
     return 0

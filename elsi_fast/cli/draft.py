@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+
+from . import UsageError, one_line, positive_int
+from .analyze import check_device, check_model, check_out_folder
+
+# elsi_fast.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
+TRAINING_STATE_FILE = "training_state.pt"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -12,31 +19,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train-draft",
         help="train an EAGLE3 draft head on chosen target layers (EAGLE3 checkpoint format)",
         description="Train an EAGLE3 draft reading the target's hidden states at --layers (input-to-layer ids), "
-        "or at the layers a report.json selects with --method/--m. The target runs online; the run resumes "
-        "from OUT/training_state.pt unless --no-resume.",
+        f"or at the layers a report.json selects with --method/--m. The target runs online; the run resumes "
+        f"from OUT/{TRAINING_STATE_FILE} unless --no-resume.",
     )
     train.add_argument("--target", required=True, help="target model folder or hub id")
     which = train.add_mutually_exclusive_group(required=True)
     which.add_argument("--layers", type=int, nargs="+", help="input-to-layer ids, e.g. 2 6 9")
     which.add_argument("--report", help="report.json from `elsi-fast analyze`; with --method and --m")
     train.add_argument("--method", default="elsi", help="selection method in the report (default elsi)")
-    train.add_argument("--m", type=int, default=1, help="number of layers for --report (default 1)")
+    train.add_argument("--m", type=positive_int, default=1, help="number of layers for --report (default 1)")
     train.add_argument("--data", required=True, help="training text: a text file, a folder of .txt, or prompts JSONL")
     train.add_argument("--out", required=True, help="output folder (EAGLE3 checkpoint + training state)")
-    train.add_argument("--steps", type=int, default=200)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--seq-len", type=int, default=128)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--warmup", type=int, default=20)
-    train.add_argument("--ttt-steps", type=int, default=3, help="training-time-test depth (EAGLE3: 7)")
-    train.add_argument("--draft-vocab-size", type=int, default=None, help="default: min(vocab, 1024)")
-    train.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
-    train.add_argument("--save-every", type=int, default=50)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    train.add_argument("--batch-size", type=positive_int, default=8, help="token windows per step (default 8)")
+    train.add_argument("--seq-len", type=int, default=128, help="tokens per window, >= 3 (default 128)")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate, warmup then cosine (default 3e-3)")
+    train.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
+    train.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test depth (default 3; EAGLE3: 7)")
+    train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024))")
+    train.add_argument("--intermediate-size", type=positive_int, default=None, help="draft MLP width (default: the target's)")
+    train.add_argument("--save-every", type=positive_int, default=50,
+                       help="write the checkpoint and training state every this many steps (default 50)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the initialization and data order (default 0)")
     train.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     train.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
-    train.add_argument("--no-progress", action="store_true")
-    train.set_defaults(func=train_handler)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=train_handler, check=train_check, interrupted=train_interrupted)
 
     evaluate = subparsers.add_parser(
         "eval-draft",
@@ -47,42 +55,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--target", required=True, help="target model folder or hub id")
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
     evaluate.add_argument("--prompts", required=True, help="JSONL with 'category' (Spec-Bench), text file, or folder")
-    evaluate.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=48)
-    evaluate.add_argument("--max-prompts", type=int, default=None, help="prompts per category (default: all)")
-    evaluate.add_argument("--max-prompt-tokens", type=int, default=256, help="truncate prompts to this many tokens")
-    evaluate.add_argument("--device", default=None)
+    evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt, >= 2 (default 48)")
+    evaluate.add_argument("--max-prompts", type=positive_int, default=None, help="prompts per category (default: all)")
+    evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=256,
+                          help="truncate prompts to this many tokens (default 256)")
+    evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     evaluate.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=None,
                           help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
     evaluate.add_argument("--draft-backend", choices=("auto", "native", "torch"), default="auto",
                           help="draft decode path (default auto: native when it can run)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
-    evaluate.add_argument("--no-progress", action="store_true")
-    evaluate.set_defaults(func=eval_handler)
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    evaluate.set_defaults(func=eval_handler, check=eval_check,
+                          interrupted=lambda args: "eval-draft saves nothing: rerun the command")
 
 
-def _layers_from_args(args: argparse.Namespace) -> list[int]:
-    if args.layers is not None:
-        return list(args.layers)
+def _load_texts(path: str, option: str) -> list:
+    from ..prompts import load_prompts
+
+    try:
+        return load_prompts(path)
+    except (ValueError, FileNotFoundError) as exc:
+        message = one_line(exc)
+        raise UsageError(f"{option}: {message.removeprefix('prompts: ')}") from None
+
+
+def _layers_from_report(path: str, method: str, m: int) -> list[int]:
     from ..report import LayerReport
 
-    if not os.path.isfile(args.report):
-        raise FileNotFoundError(f"--report: no such file: {args.report}")
-    return LayerReport.from_json(args.report).select(args.method, args.m)
+    if not os.path.isfile(path):
+        raise UsageError(f"--report: no such file: {path}")
+    try:
+        report = LayerReport.from_json(path)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--report: {path} is not valid JSON ({exc}); truncated? rerun `elsi-fast analyze`") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--report: {one_line(exc)}") from None
+    try:
+        return report.select(method, m)
+    except ValueError as exc:
+        raise UsageError(f"--method/--m: {one_line(exc)} (in {path})") from None
+
+
+def train_check(args: argparse.Namespace) -> None:
+    check_model(args.target, "--target")
+    check_device(args.device)
+    check_out_folder(args.out)
+    if args.layers is not None and any(layer < 0 for layer in args.layers):
+        raise UsageError(f"--layers: input-to-layer ids are >= 0 (0 = embeddings), got {args.layers}")
+    if args.seq_len < 3:
+        raise UsageError(f"--seq-len: must be >= 3, got {args.seq_len}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr: must be a positive number, got {args.lr}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
+    args.layer_ids = list(args.layers) if args.layers is not None else _layers_from_report(args.report, args.method, args.m)
+    args.texts = [prompt.text for prompt in _load_texts(args.data, "--data")]
+
+
+def train_interrupted(args: argparse.Namespace) -> str:
+    state = os.path.join(args.out, TRAINING_STATE_FILE)
+    if os.path.isfile(state):
+        return (f"training up to its last checkpoint (every --save-every steps) is in {state}: rerun the same "
+                "command to continue (--no-resume starts over)")
+    return "no training state was saved yet: rerun the command to start over"
 
 
 def train_handler(args: argparse.Namespace) -> int:
-    from ..prompts import load_prompts
     from ..train import train_draft
     from .analyze import load_model
 
-    layers = _layers_from_args(args)
-    model, tokenizer = load_model(args.target, args.device, "float32")
-    texts = [prompt.text for prompt in load_prompts(args.data)]
+    model, tokenizer = load_model(args.target, args.device, "float32", option="--target")
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft = train_draft(
-        model, tokenizer, layers, texts, out_dir=args.out, draft_config=overrides,
+        model, tokenizer, args.layer_ids, args.texts, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
         save_every=args.save_every, resume=not args.no_resume, progress=not args.no_progress,
@@ -94,14 +142,27 @@ def train_handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompts_by_category(path: str, tokenizer, max_prompts: int | None, max_tokens: int) -> dict[str, list[list[int]]]:
-    """Token ids of the prompts in `path`, grouped by their category ("text" when none)."""
-    from ..prompts import encode_prompt, load_prompts
+def eval_check(args: argparse.Namespace) -> None:
+    check_model(args.target, "--target")
+    check_device(args.device)
+    if not os.path.isfile(os.path.join(args.draft, "config.json")):
+        what = "has no config.json" if os.path.isdir(args.draft) else "no such folder"
+        raise UsageError(f"--draft: {what}: {args.draft}; give the --out folder of `elsi-fast train-draft`")
+    if args.max_new_tokens < 2:
+        raise UsageError(f"--max-new-tokens: must be >= 2 (one verification round), got {args.max_new_tokens}")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(parent):
+            raise UsageError(f"--json: cannot write a file at {args.json}; give a file path in an existing folder")
+    args.prompt_list = _load_texts(args.prompts, "--prompts")
 
-    if max_prompts is not None and max_prompts < 1:
-        raise ValueError(f"--max-prompts: must be >= 1, got {max_prompts}")
+
+def prompts_by_category(prompts: list, tokenizer, max_prompts: int | None, max_tokens: int) -> dict[str, list[list[int]]]:
+    """Token ids of `prompts` (prompts.Prompt), grouped by their category ("text" when none)."""
+    from ..prompts import encode_prompt
+
     grouped: dict[str, list[list[int]]] = {}
-    for prompt in load_prompts(path):
+    for prompt in prompts:
         ids = encode_prompt(prompt, tokenizer)[:max_tokens]
         bucket = grouped.setdefault(prompt.category or "text", [])
         if max_prompts is None or len(bucket) < max_prompts:
@@ -114,12 +175,10 @@ def eval_handler(args: argparse.Namespace) -> int:
     from ..train import pooled_tau, speculative_runs
     from .analyze import load_model
 
-    model, tokenizer = load_model(args.target, args.device, "float32")
-    if not os.path.isdir(args.draft):
-        raise FileNotFoundError(f"--draft: no such folder: {args.draft}")
+    model, tokenizer = load_model(args.target, args.device, "float32", option="--target")
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
-    grouped = prompts_by_category(args.prompts, tokenizer, args.max_prompts, args.max_prompt_tokens)
+    grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
                             draft_dtype=args.draft_dtype, draft_backend=args.draft_backend,
                             progress=not args.no_progress)

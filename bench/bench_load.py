@@ -1,0 +1,150 @@
+"""The README's main job and worked example, without and with a synthetic CPU load, as a user runs them.
+
+    flock /tmp/elsi-bench.lock .venv/bin/python bench/bench_load.py [--hogs 10] [--skip-demo] [--modes ...]
+
+Jobs (each a fresh `elsi-fast` process with the CLI's default thread choice):
+- "demo": `elsi-fast demo` on an empty target cache (trains the demo target, then analyzes it);
+- "worked_example": `elsi-fast analyze` of stories260K on the 480 Spec-Bench prompts.
+Conditions: "no_added_load" (as the machine is, other tenants included; the load average is
+recorded) and "load" (`--hogs` extra normal-priority processes that each keep one core busy, a
+pure CPU loop like tenants running compute jobs, started 30 s before the first job and stopped
+after the last; `--hogs 0` skips it), each with thread modes (`--modes`; the demo runs "default"
+only):
+- "default": the CLI's own choice (elsi_fast.threads);
+- "all_cores": one thread per available core (`--threads`), idle workers sleeping;
+- "spinning": the behavior before the thread choice existed, one thread per core and OpenMP
+  workers that spin (OMP_WAIT_POLICY=ACTIVE), stopped at --spin-timeout seconds (a lower bound then).
+Target: every job under load within 2x of its time without added load. Rows go to
+bench/results/load_cpu.jsonl (metric "<job>_<condition>_<mode>_wall", ratio = this run / the
+default mode without added load; modes run interleaved in that order), with
+the threads each job chose (read from its progress bar) and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+if not SHARED.is_dir():
+    SHARED = Path("/work/shared/data")
+_MODES = ("default", "all_cores", "spinning")
+_THREADS = re.compile(r"\(threads: (\d+)\)")
+
+
+def _job(name: str, tmp: str, run: int) -> list[str]:
+    cli = [sys.executable, "-m", "elsi_fast"]
+    if name == "demo":
+        return cli + ["demo", "--out", os.path.join(tmp, f"demo-{run}")]
+    return cli + ["analyze", "--model", str(SHARED / "models" / "stories260K" / "stories260K.bin"),
+                  "--prompts", str(SHARED / "prompts" / "spec_bench_question.jsonl"),
+                  "--out", os.path.join(tmp, f"stories260K-{run}"), "--m", "1", "2", "3"]
+
+
+def _run(cmd: list[str], env: dict, timeout: float | None) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        finished, stderr = done.returncode == 0, done.stderr
+        if not finished:
+            print(done.stderr[-2000:], file=sys.stderr)
+    except subprocess.TimeoutExpired as exc:
+        finished, stderr = False, (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    threads = sorted({int(t) for t in _THREADS.findall(stderr)})
+    return {"wall": wall, "cpu_seconds": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+            "finished": finished, "threads": threads, "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
+def _start_hogs(count: int) -> list[subprocess.Popen]:
+    # Each in its own session, as other tenants' jobs are: with the kernel's autogroup scheduling a
+    # session is a scheduling group, and hogs in the job's own session would compete inside its group.
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(count)]
+
+
+def _stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
+
+
+def _record(job: str, condition: str, mode: str, result: dict, reference: dict | None, hogs: int) -> None:
+    """One row per run, written as soon as it ends (a long run cut short keeps the finished rows)."""
+    from bench.common import cpu_model, record
+
+    ratio = result["wall"] / reference["wall"] if reference and reference is not result else None
+    record("load_cpu", "load", f"{job}_{condition}_{mode}_wall", result["wall"], "s",
+           device=f"{cpu_model()} ({os.cpu_count()} cores)",
+           baseline=reference["wall"] if ratio is not None else None, ratio=ratio,
+           params={"hogs": hogs if condition == "load" else 0, "threads": result["threads"],
+                   "finished": result["finished"], "cpu_seconds": result["cpu_seconds"],
+                   "load_average_before": result["load_before"], "load_average_after": result["load_after"],
+                   "omp_wait_policy": "ACTIVE" if mode == "spinning" else "PASSIVE",
+                   "thread_choice": "CLI default" if mode == "default" else "--threads (all available cores)",
+                   "command": " ".join(_job(job, "TMP", 0)[1:])})
+    if ratio is not None:
+        print(f"{job} {condition} {mode}: {ratio:.2f}x the default without added load", flush=True)
+
+
+def main() -> None:
+    from elsi_fast.threads import available_cores
+
+    # A SIGTERM (timeout, kill) unwinds through `finally`, which stops the load processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hogs", type=int, default=10, help="busy processes of the synthetic load (default 10)")
+    parser.add_argument("--skip-demo", action="store_true", help="only the worked example")
+    parser.add_argument("--spin-timeout", type=float, default=150.0,
+                        help="seconds allowed to the spinning mode (default 150)")
+    parser.add_argument("--modes", nargs="+", choices=_MODES, default=list(_MODES),
+                        help="thread modes of the worked example (default: all)")
+    args = parser.parse_args()
+    jobs = ["worked_example"] if args.skip_demo else ["worked_example", "demo"]
+    modes = ["default", *[m for m in args.modes if m != "default"]]
+    conditions = ["no_added_load"] + (["load"] if args.hogs > 0 else [])
+    runs = [(condition, job, mode) for condition in conditions for job in jobs
+            for mode in (modes if job == "worked_example" else ["default"])]
+    base_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    results: dict[tuple[str, str, str], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hogs: list[subprocess.Popen] = []
+        try:
+            for run, (condition, job, mode) in enumerate(runs):
+                if condition == "load" and not hogs:
+                    hogs = _start_hogs(args.hogs)
+                    time.sleep(30)  # let the 1-minute load average see them, as it would see real tenants
+                env = {**base_env, "ELSI_FAST_CACHE": os.path.join(tmp, f"cache-{run}")}
+                cmd = _job(job, tmp, run)
+                timeout = None
+                if mode != "default":
+                    cmd += ["--threads", str(available_cores())]
+                if mode == "spinning":
+                    env["OMP_WAIT_POLICY"] = "ACTIVE"
+                    timeout = args.spin_timeout
+                result = _run(cmd, env, timeout)
+                results[(condition, job, mode)] = result
+                _record(job, condition, mode, result, results.get(("no_added_load", job, "default")), args.hogs)
+                print(f"{job:<15} {condition:<14} {mode:<10} wall {result['wall']:7.1f}s cpu {result['cpu_seconds']:7.1f}s "
+                      f"threads {result['threads']} load {result['load_before']:.1f}->{result['load_after']:.1f}"
+                      + ("" if result["finished"] else " (did not finish)"), flush=True)
+        finally:
+            _stop_hogs(hogs)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""How many CPU threads a run uses, chosen from the cores this process may actually use.
+
+torch's default is one thread per core of the machine, and its OpenMP workers spin-wait between
+parallel regions. On a machine shared with other jobs that combination collapses: spinning workers
+hold cores that the thread they wait for needs, and every barrier waits for the most-preempted
+thread (10-200x slower at load 11-24 on 2 cores). So the CLI
+
+- counts the cores available to the process (CPU affinity and the cgroup CPU quota, not the
+  machine's core count),
+- leaves out the share of them other processes keep busy (the 1-minute load average), so it does
+  not add more runnable threads than there are free cores,
+- makes idle OpenMP workers sleep instead of spin (OMP_WAIT_POLICY=PASSIVE), which must be set
+  before torch loads its OpenMP runtime; the native decode step's own thread team follows
+  torch.get_num_threads() and already sleeps after a short spin.
+
+This module imports nothing heavy: the CLI calls `configure` before it imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+_CGROUP_V2 = "/sys/fs/cgroup/cpu.max"
+_CGROUP_V1 = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def _cgroup_cpus() -> float | None:
+    """CPUs allowed by the cgroup CPU quota (containers, Slurm), or None when unlimited."""
+    try:
+        with open(_CGROUP_V2) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(_CGROUP_V1[0]) as f:
+            quota = int(f.read())
+        with open(_CGROUP_V1[1]) as f:
+            period = int(f.read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by the cgroup quota (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
+    return max(1, cores)
+
+
+def busy_fraction() -> float:
+    """Share of the machine other processes keep busy: 1-minute load average / machine cores, in [0, 1]."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return min(1.0, max(0.0, load / (os.cpu_count() or 1)))
+
+
+def default_threads() -> int:
+    """Threads for a run: the available cores not kept busy by others, at least 1.
+
+    OMP_NUM_THREADS, when set, wins (the user's process-wide choice)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = available_cores()
+    return max(1, min(cores, round(cores * (1.0 - busy_fraction()))))
+
+
+def configure(threads: int | None = None) -> int:
+    """Set this process's thread count (`threads`, else `default_threads()`); returns it.
+
+    Call before the first `import torch` where possible: only then does OMP_WAIT_POLICY reach
+    the OpenMP runtime. A user's own OMP_WAIT_POLICY is kept.
+    """
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads: must be >= 1, got {threads}")
+    count = default_threads() if threads is None else threads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" not in sys.modules:
+        os.environ["OMP_NUM_THREADS"] = str(count)
+    import torch
+
+    torch.set_num_threads(count)
+    return count
