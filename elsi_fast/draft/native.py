@@ -17,7 +17,7 @@ Two entry points:
     row-major weights and its `DraftKVCache` (no copies), in the module's dtype.
   * `NativeDraftDecoder(draft, weight_dtype, max_len)`: the fast path. Converts the weights once to
     the chosen dtype (bf16 or int8 for memory-bound devices) in the packed layout (`pack_matrix`:
-    every product reads one sequential stream, ~1.1-1.6x faster steps than row-major on Zen 4) and
+    every product reads one sequential stream: 1.1-1.5x faster steps than row-major on Zen 4) and
     owns an fp32 cache.
 """
 
