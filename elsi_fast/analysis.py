@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .capture import capture_hidden_states, decoder_layers
-from .metrics import _centered_gram_inner_products, linear_token_entropy, normalize_tokens, spectrum_entropy, token_entropy
+from .metrics import linear_token_entropy, normalize_tokens, spectrum_entropy, token_entropy
 from .prompts import Prompt, encode_prompt
 from .report import LayerReport
 from .selection import ScreenedObjective
@@ -50,6 +50,24 @@ _STATE_VERSION = 2
 _READ_BLOCK_ELEMS = 1 << 23
 _EIG_SLICE = 32
 _PAD_TOKENS = 16
+# Rows of the stacked Grams built at once by `_gram_inner_products`: bounds its scratch memory.
+_GRAM_ROWS_ELEMS = 1 << 24
+
+
+def _gram_inner_products(z: torch.Tensor) -> torch.Tensor:
+    """[L, L] raw Frobenius products <K_a, K_b> of the Grams K_a = Z_a Z_a^T of z [L, n, w].
+
+    Raw, not centered: prompt-mode rows are centered and then L2-normalized, so their Grams are the
+    matrices whose spectra DESIGN.md defines. tr(K_S^2) = sum_{a,b in S} <K_a, K_b> gives the
+    Renyi-2 entropy of any set. One GEMM over row blocks of the stacked, flattened Grams.
+    """
+    num_layers, n, _ = z.shape
+    rows = max(1, _GRAM_ROWS_ELEMS // (num_layers * n))
+    out = torch.zeros(num_layers, num_layers, dtype=z.dtype, device=z.device)
+    for start in range(0, n, rows):
+        flat = (z[:, start:start + rows] @ z.transpose(1, 2)).reshape(num_layers, -1)
+        out.addmm_(flat, flat.T)
+    return out
 
 
 @dataclass
@@ -192,8 +210,7 @@ class PromptGrams:
         self._entropy.append(spectrum_entropy(eigvals).cpu().numpy())
         self._trace.append(small.diagonal(dim1=-2, dim2=-1).sum(-1).double().cpu().numpy())
         if self.factors:
-            # <K_a, K_b> = sum over the Grams' entries: one GEMM over the stacked Grams (blocked).
-            frob = _centered_gram_inner_products(list(z.double()), unbiased=False)
+            frob = _gram_inner_products(z.double())
             self._frob.append(frob.cpu().numpy())
             stored = z if d <= n else small
             self._append(stored.to(device="cpu", dtype=self.dtype).contiguous().numpy().tobytes())

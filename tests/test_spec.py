@@ -352,6 +352,7 @@ def test_a_decoder_is_reused_across_calls():
 def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     from elsi_fast.cli import main
     from elsi_fast.cli.draft import prompts_by_category
+    from elsi_fast.prompts import load_prompts
     from elsi_fast.targets import TargetRecipe, build_target, load_target
     from elsi_fast.train import draft_config_for, speculative_runs
 
@@ -380,7 +381,7 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     assert report["draft_backend"].startswith("native cpu") and report["draft_backend"].endswith("int8")
     # The same runs through the Python API, to count the draft positions independently.
     draft = Eagle3Draft.from_pretrained(tmp_path / "draft", embed_tokens=model.get_input_embeddings().weight.detach())
-    grouped = prompts_by_category(str(prompts), tokenizer, None, 256)
+    grouped = prompts_by_category(load_prompts(str(prompts)), tokenizer, None, 256)
     runs = speculative_runs(model, draft, grouped, k=3, max_new_tokens=12, draft_dtype="int8")
     positions = sum(sum(draft_work(len(ids), result, 12)) for cat, results in runs.items()
                     for ids, result in zip(grouped[cat], results))

@@ -221,8 +221,9 @@ def _prepare_target_and_analysis(args, out: Path) -> dict:
     # A target that repeats one token would accept any draft that learned that token: the check
     # below needs continuations that depend on the prompt.
     from elsi_fast.cli.draft import prompts_by_category
+    from elsi_fast.prompts import load_prompts
 
-    prompts = prompts_by_category(str(data / "eval.jsonl"), tokenizer, None, args.prompt_tokens)["heldout"]
+    prompts = prompts_by_category(load_prompts(str(data / "eval.jsonl")), tokenizer, None, args.prompt_tokens)["heldout"]
     continuations = [greedy_decode(model, ids, args.max_new_tokens) for ids in prompts]
     stats = [degeneracy(c) for c in continuations]
     distinct = statistics.median(s["distinct_fraction"] for s in stats)
@@ -353,6 +354,7 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from bench.common import device_name, record
     from elsi_fast.cli.draft import prompts_by_category
+    from elsi_fast.prompts import load_prompts
     from elsi_fast.draft import Eagle3Draft
     from elsi_fast.spec import speculative_generate
     from elsi_fast.targets import load_target
@@ -361,7 +363,7 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     out = Path(args.out)
     eval_file = out / "data" / "eval.jsonl"
     model, tokenizer = load_target(plan["target"])
-    prompts = prompts_by_category(str(eval_file), tokenizer, None, args.prompt_tokens)["heldout"]
+    prompts = prompts_by_category(load_prompts(str(eval_file)), tokenizer, None, args.prompt_tokens)["heldout"]
     reference = [greedy_decode(model, ids, args.max_new_tokens) for ids in prompts]
     device = device_name("cpu", args.threads)
     common = {"k": args.k, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
