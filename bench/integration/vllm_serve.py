@@ -17,7 +17,7 @@ The path a user takes, end to end, on the natural-language target that bench/e2e
             bench/results/vllm_integration_cpu.jsonl.
 
 `all` runs the three in order. Not part of the pytest suite: it installs vLLM and trains drafts
-(about 10-20 minutes of 2-core CPU once the target is cached). See README.md beside this file.
+(about 6 minutes on 2 cores once the target and the environment exist). See README.md beside this file.
 """
 
 from __future__ import annotations
