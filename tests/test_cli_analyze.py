@@ -32,7 +32,8 @@ def test_analyze_stories260k(shared_data, tmp_path, capsys):
     assert report["options"]["m"] == [1, 2] and report["options"]["max_prompts"] is None
     for name in ("entropy.png", "cka.png", "pair_gain.png", "serving_configs.json"):
         assert (out / name).stat().st_size > 0
-    assert not (out / "state.pt").exists()  # removed after a successful run (--keep-state keeps it)
+    # the state and the prompt-mode factor file beside it are removed after a successful run
+    assert not list(out.glob("state.pt*")), sorted(p.name for p in out.iterdir())
     configs = json.loads((out / "serving_configs.json").read_text())
     elsi2 = report["selections"]["elsi"]["2"]
     assert configs["elsi/m=2/vllm"]["config"] == {"eagle_aux_hidden_state_layer_ids": elsi2, "num_aux_hidden_states": 2}

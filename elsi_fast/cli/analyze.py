@@ -133,8 +133,15 @@ def check(args: argparse.Namespace) -> None:
 
 
 def state_files(out: str) -> list[str]:
-    """OUT/state.pt, or its per-rank files under torchrun."""
-    return sorted(glob.glob(os.path.join(glob.escape(out), STATE_FILE)) + glob.glob(os.path.join(glob.escape(out), STATE_FILE + ".rank*")))
+    """OUT/state.pt, or its per-rank files under torchrun: what --resume continues from."""
+    prefix = os.path.join(glob.escape(out), STATE_FILE)
+    return sorted(path for path in glob.glob(prefix) + glob.glob(prefix + ".rank*") if not path.endswith(".factors"))
+
+
+def run_files(out: str) -> list[str]:
+    """Every file of the pass state: the state files and the prompt-mode factor files beside them
+    (state.pt.factors, .factors.all, per rank), all removed together."""
+    return sorted(glob.glob(os.path.join(glob.escape(out), STATE_FILE) + "*"))
 
 
 def interrupted(args: argparse.Namespace) -> str:
@@ -219,7 +226,7 @@ def handler(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, STATE_FILE)
     if not args.resume:
-        for path in state_files(args.out):
+        for path in run_files(args.out):
             os.remove(path)  # a fresh run; --resume keeps them
     extra = {} if args.min_token_entropy is None else {"min_token_entropy": args.min_token_entropy}
     report = analyze(
@@ -243,8 +250,8 @@ def handler(args: argparse.Namespace) -> int:
     with open(os.path.join(args.out, "serving_configs.json"), "w") as f:
         json.dump(configs, f, indent=1)
     if not args.keep_state:
-        for path in state_files(args.out):
-            os.remove(path)  # 100+ MiB of Grams; the report holds every result
+        for path in run_files(args.out):
+            os.remove(path)  # 100+ MiB of state and factors; the report holds every result
 
     print(report.table())
     print(f"\npass {report.timing['pass_seconds']:.1f} s, selection {report.timing['selection_seconds']:.1f} s")
