@@ -195,7 +195,8 @@ def run_e2e_child(args, package_root: str, state: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("part", choices=("synthetic", "e2e"))
-    parser.add_argument("--layers", type=int, default=33, help="hidden states L = N + 1")
+    parser.add_argument("--layers", type=int, default=33,
+                        help="synthetic: hidden states L (N = L - 1 blocks); e2e: blocks N of the random Llama")
     parser.add_argument("--prompts", type=int, default=480)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--today", action="store_true", help="also run today's implementation (slow)")
