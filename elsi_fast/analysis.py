@@ -594,8 +594,14 @@ def analyze(
     candidates: layers ELSI / ELSI-C may pick; default 1..N-1, the states every engine captures
     (h_0 is the embedding the draft already sees and SGLang/TRT-LLM cannot name it; vLLM and
     SGLang record aux states at block inputs only, so they never capture h_N).
+    gram_tokens: None (DESIGN's prompt mode: all kept tokens) or a cap, evenly spaced tokens.
+    gram_dtype: precision of the spilled prompt-mode vectors ("float32" or "float64"); every
+    statistic is computed in float64.
+    screen_z: width of the set searches' screen in standard errors (inf: every candidate set is
+    evaluated on every prompt; the picks of the default are tested against that).
     state_path: accumulator state saved there atomically every `save_every` batches; a rerun
-    with the same path, prompts and options continues after the last saved batch.
+    with the same path, prompts and options continues after the last saved batch. The prompt-mode
+    vectors go to `state_path + ".factors"` (without state_path: an anonymous temporary file).
     Under torch.distributed, prompts are sharded by rank and the statistics reduced, so every rank
     returns the single-process result (the state file gets a `.rank{r}` suffix).
     Returns a LayerReport with indices in the input-to-layer convention (h_0 .. h_N).
