@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="folder for the spill files")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--note", default="other helpers compiled and tested on the machine meanwhile",
+                        help="recorded in the rows' params: the conditions of the run")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_synthetic(args)))
@@ -225,7 +227,7 @@ def main() -> None:
                   "per prompt for every visited set)", "counts": result["counts"],
                   "store_file_bytes": result["store_file_bytes"], "store_ram_bytes": result["store_ram_bytes"],
                   "store_build_seconds": result["store_build_seconds"], "loadavg_before": load,
-                  "loadavg_after": os.getloadavg(), "note": "other helpers compiled and tested on the machine meanwhile"}
+                  "loadavg_after": os.getloadavg(), "note": args.note}
         if args.today:
             params["picks_equal_today"] = result["selections"] == result["today_selections"]
             params["today_store_bytes"] = result["today_store_bytes"]
@@ -256,7 +258,7 @@ def main() -> None:
                                                    "peak_rss_bytes": today["peak_rss_bytes"],
                                                    "selection_seconds": today["total_seconds"] - today["timing"]["pass_seconds"]},
               "loadavg_before": load, "loadavg_after": os.getloadavg(),
-              "note": "other helpers compiled and tested on the machine meanwhile"}
+              "note": args.note}
     if today is not None:
         params["picks_equal_today"] = new["selections"] == today["selections"]
     print(json.dumps(params, indent=1))
