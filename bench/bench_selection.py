@@ -195,7 +195,8 @@ def run_e2e_child(args, package_root: str, state: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("part", choices=("synthetic", "e2e"))
-    parser.add_argument("--layers", type=int, default=33, help="hidden states L = N + 1")
+    parser.add_argument("--layers", type=int, default=33,
+                        help="synthetic: hidden states L (N = L - 1 blocks); e2e: blocks N of the random Llama")
     parser.add_argument("--prompts", type=int, default=480)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--today", action="store_true", help="also run today's implementation (slow)")
@@ -203,6 +204,8 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="folder for the spill files")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--note", default="other helpers compiled and tested on the machine meanwhile",
+                        help="recorded in the rows' params: the conditions of the run")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_synthetic(args)))
@@ -224,7 +227,7 @@ def main() -> None:
                   "per prompt for every visited set)", "counts": result["counts"],
                   "store_file_bytes": result["store_file_bytes"], "store_ram_bytes": result["store_ram_bytes"],
                   "store_build_seconds": result["store_build_seconds"], "loadavg_before": load,
-                  "loadavg_after": os.getloadavg(), "note": "other helpers compiled and tested on the machine meanwhile"}
+                  "loadavg_after": os.getloadavg(), "note": args.note}
         if args.today:
             params["picks_equal_today"] = result["selections"] == result["today_selections"]
             params["today_store_bytes"] = result["today_store_bytes"]
@@ -255,7 +258,7 @@ def main() -> None:
                                                    "peak_rss_bytes": today["peak_rss_bytes"],
                                                    "selection_seconds": today["total_seconds"] - today["timing"]["pass_seconds"]},
               "loadavg_before": load, "loadavg_after": os.getloadavg(),
-              "note": "other helpers compiled and tested on the machine meanwhile"}
+              "note": args.note}
     if today is not None:
         params["picks_equal_today"] = new["selections"] == today["selections"]
     print(json.dumps(params, indent=1))

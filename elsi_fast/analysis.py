@@ -140,6 +140,38 @@ class AnalyzeOptions:
 # ---------------------------------------------------------------------------------------------
 
 
+class _Rows:
+    """A growing float64 array of equally shaped rows, stored contiguously (capacity doubles).
+
+    One block instead of a small array per prompt: interleaving many small long-lived allocations
+    with the pass's large temporaries fragments the heap (RSS grew ~7 MB per prompt that way)."""
+
+    def __init__(self, rows: np.ndarray | None = None) -> None:
+        self._data = None if rows is None or len(rows) == 0 else np.array(rows, dtype=np.float64)
+        self._count = 0 if self._data is None else len(self._data)
+
+    def append(self, row: np.ndarray) -> None:
+        if self._data is None:
+            self._data = np.empty((16, *row.shape))
+        elif self._count == len(self._data):
+            grown = np.empty((2 * self._count, *self._data.shape[1:]))
+            grown[: self._count] = self._data
+            self._data = grown
+        self._data[self._count] = row
+        self._count += 1
+
+    def __getitem__(self, index):
+        return self.array[index]
+
+    @property
+    def array(self) -> np.ndarray:
+        return np.empty((0,)) if self._data is None else self._data[: self._count]
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
 class PromptGrams:
     """Prompt-mode statistics of every prompt, exact, with memory in RAM independent of token counts.
 
@@ -166,9 +198,7 @@ class PromptGrams:
         self.tokens: list[int] = []  # n per prompt
         self.offset: list[int] = []  # byte offset of the prompt's factors in the file
         self.width: list[int] = []  # columns per layer factor: d (rows of Z) or n (Gram)
-        self._entropy: list[np.ndarray] = []
-        self._trace: list[np.ndarray] = []
-        self._frob: list[np.ndarray] = []
+        self._entropy, self._trace, self._frob = _Rows(), _Rows(), _Rows()  # [P, L], [P, L], [P, L, L]
         self._file = None
         self._size = 0
         # per set, H1(K_S) of every prompt in prompt order (NaN: not computed yet)
@@ -230,7 +260,7 @@ class PromptGrams:
     @property
     def ram_bytes(self) -> int:
         """Bytes of the per-prompt statistics held in RAM."""
-        return sum(a.nbytes for rows in (self._entropy, self._trace, self._frob) for a in rows)
+        return self._entropy.nbytes + self._trace.nbytes + self._frob.nbytes
 
     def records(self, start: int = 0, stop: int | None = None):
         """(prompt_index, entropy, trace, frob, factor bytes or None) per prompt, in insertion order."""
@@ -241,7 +271,8 @@ class PromptGrams:
             if self.factors:
                 end = self.offset[i + 1] if i + 1 < len(self) else self._size
                 factor = (self.tokens[i], self.width[i], os.pread(self._file.fileno(), end - self.offset[i], self.offset[i]))
-            yield self.prompt_index[i], self._entropy[i], self._trace[i], self._frob[i] if self.factors else None, factor
+            frob = self._frob[i].copy() if self.factors else None
+            yield self.prompt_index[i], self._entropy[i].copy(), self._trace[i].copy(), frob, factor
 
     def add_record(self, prompt_index: int, entropy: np.ndarray, trace: np.ndarray, frob, factor) -> None:
         """Append a record from `records()` (another rank's, or a saved state's)."""
@@ -269,9 +300,9 @@ class PromptGrams:
             "tokens": list(self.tokens),
             "offset": list(self.offset),
             "width": list(self.width),
-            "entropy": list(self._entropy),
-            "trace": list(self._trace),
-            "frob": list(self._frob),
+            "entropy": self._entropy.array.copy(),
+            "trace": self._trace.array.copy(),
+            "frob": self._frob.array.copy(),
             "size": self._size,
         }
 
@@ -285,7 +316,7 @@ class PromptGrams:
             self._open(truncate_to=state["size"])
         for key in ("prompt_index", "tokens", "offset", "width"):
             setattr(self, key, list(state[key]))
-        self._entropy, self._trace, self._frob = list(state["entropy"]), list(state["trace"]), list(state["frob"])
+        self._entropy, self._trace, self._frob = _Rows(state["entropy"]), _Rows(state["trace"]), _Rows(state["frob"])
         self._changed()
 
     def _changed(self) -> None:
@@ -299,12 +330,12 @@ class PromptGrams:
 
     def layer_entropies(self) -> np.ndarray:
         """Shannon entropy H1(K_l) per prompt (in prompt order) and layer -> [P, L] float64."""
-        return np.stack(self._entropy)[self._order()]
+        return self._entropy.array[self._order()]
 
     def _stacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._stack is None:
             order = self._order()
-            self._stack = (np.stack(self._entropy)[order], np.stack(self._trace)[order], np.stack(self._frob)[order])
+            self._stack = (self._entropy.array[order], self._trace.array[order], self._frob.array[order])
         return self._stack
 
     def _renyi2_terms(self, sets: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
@@ -391,7 +422,7 @@ class PromptGrams:
     def prompt_grams(self, i: int) -> torch.Tensor:
         """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
         self._file.flush()
-        factor = self._read([i], 0, len(self._entropy[i]))[0, :, : self.tokens[i], : self.width[i]]
+        factor = self._read([i], 0, self._entropy.array.shape[1])[0, :, : self.tokens[i], : self.width[i]]
         return factor if self._is_gram(i) else factor @ factor.transpose(-2, -1)
 
     def _is_gram(self, i: int) -> bool:
@@ -408,7 +439,7 @@ class PromptGrams:
         most _READ_BLOCK_ELEMS of factors each (the searches' memory does not grow with P)."""
         shape = lambda i: (self._is_gram(i), self._padded_tokens(i))  # noqa: E731
         order = sorted(records, key=shape)
-        num_layers = len(self._entropy[0])
+        num_layers = self._entropy.array.shape[1]
         chunk: list[int] = []
         for i in order:
             n = self._padded_tokens(i)
@@ -580,8 +611,14 @@ def analyze(
     candidates: layers ELSI / ELSI-C may pick; default 1..N-1, the states every engine captures
     (h_0 is the embedding the draft already sees and SGLang/TRT-LLM cannot name it; vLLM and
     SGLang record aux states at block inputs only, so they never capture h_N).
+    gram_tokens: None (DESIGN's prompt mode: all kept tokens) or a cap, evenly spaced tokens.
+    gram_dtype: precision of the spilled prompt-mode vectors ("float32" or "float64"); every
+    statistic is computed in float64.
+    screen_z: width of the set searches' screen in standard errors (inf: every candidate set is
+    evaluated on every prompt; the picks of the default are tested against that).
     state_path: accumulator state saved there atomically every `save_every` batches; a rerun
-    with the same path, prompts and options continues after the last saved batch.
+    with the same path, prompts and options continues after the last saved batch. The prompt-mode
+    vectors go to `state_path + ".factors"` (without state_path: an anonymous temporary file).
     Under torch.distributed, prompts are sharded by rank and the statistics reduced, so every rank
     returns the single-process result (the state file gets a `.rank{r}` suffix).
     Returns a LayerReport with indices in the input-to-layer convention (h_0 .. h_N).
