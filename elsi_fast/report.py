@@ -292,7 +292,7 @@ class LayerReport:
             image = ax.imshow(gain, cmap="RdBu", norm=TwoSlopeNorm(0.0, -bound, bound), origin="upper")
             ax.set_xlabel("added layer b")
             ax.set_ylabel("first layer a")
-            ax.set_title("pair gain f({a,b}) - f({a}) (nats)", fontsize=9)
+            ax.set_title("pair gain H2({a,b}) - H2({a}) (Renyi-2, nats)", fontsize=9)
             fig.colorbar(image, ax=ax, fraction=0.046, label="nats (red: loss, blue: gain)")
             fig.tight_layout()
             paths.append(_save(fig, out_dir, "pair_gain.png"))
