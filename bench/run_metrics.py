@@ -268,11 +268,12 @@ def bench_entropy_memory() -> None:
                 peaks[name] = int(out.stdout.strip().splitlines()[-1])
             ours = peaks["token_entropy"]
             method = "cuda max_memory_allocated" if DEVICE.type == "cuda" else "VmHWM growth, fresh process"
+            label = f"token entropy {shape['n']} x {shape['vocab']} {DTYPE_NAMES[getattr(torch, dtype)]}"
+            params = {**shape, "dtype": dtype, "method": method, "loadavg": [round(x, 2) for x in os.getloadavg()]}
             for name in PEAK_FNS[1:]:
-                bench = f"token entropy {shape['n']} x {shape['vocab']} {DTYPE_NAMES[getattr(torch, dtype)]}: token_entropy vs {name}"
-                record(RESULTS, bench, "peak_extra_memory", ours, "bytes", device=device_name(DEVICE), baseline=peaks[name],
-                       ratio=peaks[name] / max(ours, 1), params={**shape, "dtype": dtype, "method": method,
-                                                                 "loadavg": [round(x, 2) for x in os.getloadavg()]})
+                bench = f"{label}: token_entropy vs {name}"
+                record(RESULTS, bench, "peak_extra_memory", ours, "bytes", device=device_name(DEVICE),
+                       baseline=peaks[name], ratio=peaks[name] / max(ours, 1), params=params)
                 print(f"{bench:80} ours {ours / 2**20:7.1f} MiB  peer {peaks[name] / 2**20:7.1f} MiB")
 
 
