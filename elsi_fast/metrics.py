@@ -2,7 +2,8 @@
 
 All functions take torch tensors on any device in fp16 / bf16 / fp32 / fp64 and never accumulate in
 half precision: CPU work runs in float64, CUDA work in float32 (eigen-solvers always in float64),
-except cka_matrix, whose `dtype` (float32 by default, within 1e-5 of float64) sets its precision.
+except cka_matrix, whose `dtype` (default: float64 for float64 input, else float32, within 1e-5
+of float64) sets its precision.
 Token entropies are float32 by contract. On CUDA the token-entropy and HSIC hot paths dispatch to
 the Triton kernels of `elsi_fast.kernels`; the torch code here is the reference they are tested
 against.
@@ -243,7 +244,7 @@ def _cka_from_inner_products(products: torch.Tensor, names: Sequence[str]) -> to
 
 
 def cka_matrix(
-    xs: torch.Tensor | Sequence[torch.Tensor], unbiased: bool = True, *, dtype: torch.dtype = torch.float32
+    xs: torch.Tensor | Sequence[torch.Tensor], unbiased: bool = True, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Linear CKA between every pair of layers -> [L, L] in `dtype`.
 
@@ -252,8 +253,8 @@ def cka_matrix(
     al.; n >= 4) or H.H (biased, Kornblith et al.). All pairs come from GEMMs over the upper
     triangles of the flattened Grams of the column-centered features (Nguyen et al. 2021).
 
-    Precision: `dtype` (float32 by default, or float64) is the precision of the Grams and their
-    products; centering is done in float64 for float64 input, so a common offset costs no
+    Precision: `dtype` (float32 or float64; default float64 for float64 input, else float32) is the
+    precision of the Grams and their products; centering is done in float64 for float64 input, so a common offset costs no
     accuracy. float32 results are within 1e-5 (absolute) of float64 ones: measured at L=37,
     n=512, d=256 on Gaussian, 1e4-offset and outlier-feature data, the max error was 6.4e-7
     (bench/run_metrics.py). Unbiased CKA of CUDA tensors in float32 runs in the Triton HSIC kernel.
@@ -261,6 +262,8 @@ def cka_matrix(
     layers, n = check_layer_list("xs", xs)
     if n < (4 if unbiased else 2):
         raise ValueError(f"xs has {n} tokens: {'unbiased CKA needs n >= 4' if unbiased else 'CKA needs n >= 2'}")
+    if dtype is None:
+        dtype = torch.float64 if layers[0].dtype == torch.float64 else torch.float32
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if unbiased and dtype == torch.float32 and use_triton(layers[0]):
