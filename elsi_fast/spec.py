@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 DRAFT_DTYPES = ("fp32", "bf16", "int8")
 DRAFT_BACKENDS = ("auto", "native", "torch")
 # Draft module dtypes the native kernels take as they are (auto mode keeps the draft's precision).
+# Longest span of target positions the native path extends by single fused steps; longer spans (the
+# prompt prefill) run as one torch extend. Measured at d=1024 (bench/bench_spec_e2e.py): a loop of
+# native steps wins up to 2 positions in fp32 and 5 in int8, the torch GEMM from 5-8 on; k+1
+# accepted positions (k <= 7) therefore stay native and prompts of more than 8 tokens do not.
+NATIVE_EXTEND_MAX = 8
 _NATIVE_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
@@ -172,16 +177,23 @@ class _TorchDraftPath:
 class _NativeDraftPath:
     """A `NativeDraftDecoder`: one fused step per draft position, target-fed or draft-fed.
 
-    Re-extension over the 1 .. k+1 accepted positions and the prompt prefill are loops of
-    `from_target=True` steps (bench/bench_spec_e2e.py times them against the torch extend).
+    Re-extension over the 1 .. k+1 accepted positions is a loop of `from_target=True` steps; a
+    span of more than `NATIVE_EXTEND_MAX` positions (the prompt prefill) is one torch extend whose
+    keys/values go into the decoder's cache (`NativeDraftDecoder.prefill`): bench/bench_spec_e2e.py
+    times both against the torch extend.
     """
 
     def __init__(self, decoder: "NativeDraftDecoder"):
         self.decoder = decoder
         self.steps = 0
+        self.prefills = 0
         decoder.reset()
 
     def extend(self, aux: torch.Tensor, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        if ids.shape[1] > NATIVE_EXTEND_MAX:
+            top, hidden = self.decoder.prefill(aux, ids)
+            self.prefills += 1
+            return int(top[0]), hidden
         if aux.dtype not in (torch.float32, torch.bfloat16):
             aux = aux.float()  # e.g. an fp16 target: the kernels read fp32 or bf16 features
         for feature, token in zip(aux[0], ids[0].tolist()):
@@ -190,6 +202,8 @@ class _NativeDraftPath:
         return int(top[0]), hidden
 
     def step(self, hidden: torch.Tensor, token: int) -> tuple[int, torch.Tensor]:
+        if hidden.dtype not in (torch.float32, torch.bfloat16):
+            hidden = hidden.float()  # a prefill's hidden state in an fp16 module's dtype
         top, hidden = self.decoder.step(hidden, token, from_target=False)
         self.steps += 1
         return int(top[0]), hidden
@@ -198,12 +212,13 @@ class _NativeDraftPath:
         self.decoder.truncate(length)
 
     def calls(self) -> dict[str, int]:
-        return {"native_steps": self.steps, "torch_extends": 0, "torch_steps": 0}
+        return {"native_steps": self.steps, "torch_extends": self.prefills, "torch_steps": 0}
 
     def describe(self) -> str:
         from .draft import native
 
-        return f"{native.describe(self.decoder.device)} {self.decoder.weight_dtype}: {self.steps} steps"
+        prefill = f"; torch prefill: {self.prefills} extends" if self.prefills else ""
+        return f"{native.describe(self.decoder.device)} {self.decoder.weight_dtype}: {self.steps} steps{prefill}"
 
 
 def _draft_device(draft) -> torch.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
 from elsi_fast.draft.model import DISABLE_NATIVE_ENV
-from elsi_fast.spec import SpecResult, speculative_generate
+from elsi_fast.spec import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
 
 requires_native = pytest.mark.skipif(not native.available("cpu"),
                                      reason=f"native extension not built: {native.describe('cpu')}")
@@ -149,6 +150,16 @@ def draft_work(prompt_len: int, result: SpecResult, max_new_tokens: int) -> tupl
     return prompt_len, fed_back, reextended
 
 
+
+def native_calls(prompt_len: int, result: SpecResult, max_new_tokens: int) -> dict[str, int]:
+    """The native path's expected call counts: every fed-back proposal and re-extended position is
+    one fused step; the prefill too, unless the prompt is longer than NATIVE_EXTEND_MAX, when it is
+    one torch extend (NativeDraftDecoder.prefill)."""
+    prefill, fed_back, reextended = draft_work(prompt_len, result, max_new_tokens)
+    torch_prefill = prefill > NATIVE_EXTEND_MAX
+    return {"native_steps": (0 if torch_prefill else prefill) + fed_back + reextended,
+            "torch_extends": int(torch_prefill), "torch_steps": 0}
+
 def _path_params():
     return [pytest.param(dtype, backend, id=dtype or backend,
                          marks=requires_native if backend == "native" else ()) for dtype, backend in PATHS]
@@ -171,11 +182,12 @@ def test_random_draft_output_equals_greedy(name, k, prompt, draft_dtype, draft_b
     assert all(0 <= a <= k for a in result.accepted_lengths)
     prefill, fed_back, reextended = draft_work(len(prompt), result, 15)
     if draft_backend == "native":
-        # Every draft position ran as a fused step: prefill, proposals and re-extensions.
-        steps = prefill + fed_back + reextended
-        assert result.draft_calls == {"native_steps": steps, "torch_extends": 0, "torch_steps": 0}
+        # Every proposal and re-extension ran as a fused step; the prefill too unless the prompt is long.
+        calls = native_calls(len(prompt), result, 15)
+        assert result.draft_calls == calls
+        prefill_note = "; torch prefill: 1 extends" if calls["torch_extends"] else ""
         assert result.draft_backend.startswith("native cpu") and result.draft_backend.endswith(
-            f"{draft_dtype}: {steps} steps")
+            f"{draft_dtype}: {calls['native_steps']} steps{prefill_note}")
     else:
         # One extend for the prompt and one per re-extension; torch decode steps for fed-back proposals.
         assert result.draft_calls == {"native_steps": 0, "torch_extends": result.rounds, "torch_steps": fed_back}
@@ -269,8 +281,9 @@ def test_auto_mode_runs_every_draft_step_natively():
         warnings.simplefilter("error")  # auto mode must not fall back here
         result = speculative_generate(target, draft, ids, 20, 4)
     assert result.tokens.tolist() == greedy_reference(target, ids, 20)
-    assert result.draft_calls["native_steps"] == sum(draft_work(len(PROMPTS[2]), result, 20))
-    assert result.draft_calls["torch_extends"] == result.draft_calls["torch_steps"] == 0
+    assert len(PROMPTS[2]) > NATIVE_EXTEND_MAX  # its prefill is the one torch extend
+    assert result.draft_calls == native_calls(len(PROMPTS[2]), result, 20) == {
+        "native_steps": sum(draft_work(len(PROMPTS[2]), result, 20)[1:]), "torch_extends": 1, "torch_steps": 0}
     assert "fp32" in result.draft_backend
 
 
@@ -288,7 +301,7 @@ def test_fp16_draft_falls_back_with_a_warning_in_auto_mode_and_converts_when_ask
     # An explicit precision converts the fp16 weights once and runs natively.
     result = speculative_generate(target, draft, ids, 12, 3, draft_dtype="bf16")
     assert result.tokens.tolist() == expected
-    assert result.draft_calls["native_steps"] == sum(draft_work(len(PROMPTS[0]), result, 12))
+    assert result.draft_calls == native_calls(len(PROMPTS[0]), result, 12)
 
 
 def test_requested_native_path_that_cannot_run_raises_and_auto_warns(monkeypatch):
@@ -341,7 +354,7 @@ def test_a_decoder_is_reused_across_calls():
         ids = torch.tensor(prompt)
         result = speculative_generate(target, decoder, ids, 15, 3)
         assert result.tokens.tolist() == greedy_reference(target, ids, 15)
-        assert result.draft_calls["native_steps"] == sum(draft_work(len(prompt), result, 15))
+        assert result.draft_calls == native_calls(len(prompt), result, 15)
     with pytest.raises(ValueError, match="max_len=64"):
         speculative_generate(target, decoder, torch.tensor(PROMPTS[2]), 60, 3)
     with pytest.raises(ValueError, match="int8 weights"):
@@ -383,7 +396,10 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     draft = Eagle3Draft.from_pretrained(tmp_path / "draft", embed_tokens=model.get_input_embeddings().weight.detach())
     grouped = prompts_by_category(load_prompts(str(prompts)), tokenizer, None, 256)
     runs = speculative_runs(model, draft, grouped, k=3, max_new_tokens=12, draft_dtype="int8")
-    positions = sum(sum(draft_work(len(ids), result, 12)) for cat, results in runs.items()
-                    for ids, result in zip(grouped[cat], results))
-    assert report["draft_calls"] == {"native_steps": positions, "torch_extends": 0, "torch_steps": 0}
+    expected = Counter()
+    for cat, results in runs.items():
+        for ids, result in zip(grouped[cat], results):
+            expected.update(native_calls(len(ids), result, 12))
+    assert report["draft_calls"] == {key: expected[key] for key in ("native_steps", "torch_extends", "torch_steps")}
+    assert report["draft_calls"]["torch_steps"] == 0
     assert "draft backend: native cpu" in capsys.readouterr().out

@@ -239,6 +239,7 @@ class NativeDraftDecoder:
             raise ValueError(f"the CUDA kernel takes bf16 weights, got weight_dtype={weight_dtype!r}")
         config = draft.config
         embed = _check_embedding(draft, device)
+        self.draft = draft  # kept for `prefill`, which runs the module's torch extend
         self.config = config
         self.device = device
         self.weight_dtype = weight_dtype
@@ -285,6 +286,38 @@ class NativeDraftDecoder:
     def reset(self) -> None:
         """Empty the KV cache."""
         self.length = 0
+
+    @torch.no_grad()
+    def prefill(self, aux: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Cache positions length .. length+T-1 from target features with one torch extend of the
+        source module, instead of T fused steps: a GEMM over T positions beats T matrix-vector
+        passes once T is more than a few tokens (bench/bench_spec_e2e.py: 64 positions at d=1024
+        are 3-7x faster). The keys/values come from the module's own weights (fp32 or bf16, not
+        this decoder's int8/bf16 copies) and are stored in the decoder's fp32 cache.
+
+        aux [1, T, m * d_t] target features, ids [1, T] their paired tokens. Returns (target ids
+        [1] of the last position's best draft token, its hidden_out [d] in the module's dtype).
+        """
+        if aux.ndim != 3 or aux.shape[0] != 1 or ids.shape != aux.shape[:2]:
+            raise ValueError(f"aux must be [1, T, m * d_t] and ids [1, T], got {list(aux.shape)} and {list(ids.shape)}")
+        count = aux.shape[1]
+        if self.length + count > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} + {count} positions and max_len={self.max_len}; "
+                             f"create the decoder with a larger max_len or truncate()")
+        from .model import DraftKVCache
+
+        weight = self.draft.fc.weight
+        staging = DraftKVCache(1, self.config.num_key_value_heads, self.config.head_dim, self.length + count,
+                               device=self.device, dtype=weight.dtype)
+        staging.key[0, :, : self.length] = self._k_cache[:, : self.length]
+        staging.value[0, :, : self.length] = self._v_cache[:, : self.length]
+        staging.length = self.length
+        logits, hidden = self.draft.extend(aux.to(weight.dtype), ids, staging)
+        end = self.length + count
+        self._k_cache[:, self.length:end] = staging.key[0, :, self.length:end]
+        self._v_cache[:, self.length:end] = staging.value[0, :, self.length:end]
+        self.length = end
+        return self.draft.draft_to_target(logits[0, -1].argmax()).reshape(1), hidden[0, -1]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached positions."""

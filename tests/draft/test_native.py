@@ -552,3 +552,49 @@ def test_cuda_decode_step_on_bf16_module_and_graph_replay():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@requires_native
+@pytest.mark.parametrize("weight_dtype", ["fp32", "int8"])
+def test_prefill_caches_what_single_steps_cache(weight_dtype):
+    """NativeDraftDecoder.prefill (one torch extend of the source module) leaves the decoder in the
+    state T target-fed fused steps leave it in: same last output, and the next fed-back steps
+    match. The keys/values come from the module's fp32 weights, so an int8 decoder's prefill
+    differs from its own steps by the weight rounding only."""
+    draft = make_draft(SHAPES["gqa"], seed=21)
+    gen = torch.Generator().manual_seed(22)
+    count = 11
+    aux = torch.randn(1, count, draft.config.fc_in_features, generator=gen)
+    ids = torch.randint(draft.config.vocab_size, (1, count), generator=gen)
+    looped = native.NativeDraftDecoder(draft, weight_dtype, max_len=count + 4)
+    for t in range(count):
+        loop_ids, loop_hidden = looped.step(aux[0, t], int(ids[0, t]), from_target=True)
+    prefilled = native.NativeDraftDecoder(draft, weight_dtype, max_len=count + 4)
+    top, hidden = prefilled.prefill(aux, ids)
+    assert prefilled.length == looped.length == count
+    tol = 1e-5 if weight_dtype == "fp32" else 5e-2
+    assert rel_err(hidden, loop_hidden.double()) < tol
+    assert rel_err(prefilled._k_cache[:, :count], looped._k_cache[:, :count].double()) < tol
+    assert rel_err(prefilled._v_cache[:, :count], looped._v_cache[:, :count].double()) < tol
+    # the module's own torch extend, the independent reference for the prefill's output
+    with torch.no_grad():
+        logits, ref_hidden = draft.extend(aux, ids, draft.new_cache(count))
+    assert rel_err(hidden, ref_hidden[0, -1].double()) < 1e-6
+    assert int(top[0]) == int(draft.draft_to_target(logits[0, -1].argmax()))
+    for _ in range(3):
+        token = int(top[0])
+        top, hidden = prefilled.step(hidden, token, from_target=False)
+        loop_ids, loop_hidden = looped.step(loop_hidden, token, from_target=False)
+        assert rel_err(hidden, loop_hidden.double()) < tol
+
+
+@requires_native
+def test_prefill_bad_inputs():
+    draft = make_draft(SHAPES["gqa"], seed=23)
+    decoder = native.NativeDraftDecoder(draft, "fp32", max_len=4)
+    aux = torch.zeros(1, 5, draft.config.fc_in_features)
+    with pytest.raises(ValueError, match="max_len=4"):
+        decoder.prefill(aux, torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"aux must be \[1, T, m \* d_t\]"):
+        decoder.prefill(aux[0], torch.zeros(1, 5, dtype=torch.long))
+    assert decoder.length == 0
