@@ -9,13 +9,14 @@ computes all their outputs, and each test compares one case here.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
+
+from draft.random_draft import randomize_draft_  # tests/ is on sys.path (rootdir import)
 
 from .engine_env import engines_python, run_jobs
 
@@ -66,15 +67,7 @@ def elsi_draft(m: int, variants: dict, seed: int, target_hidden: int = HIDDEN) -
                        aux_layer_ids=tuple(layer_ids(m)), **variants)
     gen = torch.Generator().manual_seed(seed)
     embed = torch.randn(VOCAB, HIDDEN, generator=gen)
-    draft = Eagle3Draft(cfg, embed)
-    with torch.no_grad():
-        for _, param in sorted(draft.named_parameters()):
-            if param.dim() == 1:
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
-    draft.set_draft_vocab(torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values)
-    return draft, embed
+    return randomize_draft_(Eagle3Draft(cfg, embed), gen), embed
 
 
 def layer_fields(**extra) -> dict:
