@@ -17,12 +17,16 @@ The candidate rows are released after each batch; nothing else is kept per token
 
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
 import json
 import math
 import os
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from .capture import capture_hidden_states, decoder_layers
+from .interrupt import DeferredInterrupt
 from .metrics import linear_token_entropy, normalize_tokens, spectrum_entropy, token_entropy
 from .prompts import Prompt, encode_prompt
 from .report import LayerReport
@@ -49,6 +54,8 @@ _STATE_VERSION = 2
 # Elements of the factors read back at once for exact set entropies (64 MiB in float64).
 _READ_BLOCK_ELEMS = 1 << 23
 _EIG_SLICE = 32
+# Bytes of per-prompt Gram blocks kept for reuse by the set searches (bounded: independent of P).
+_PRODUCT_CACHE_BYTES = 512 << 20
 _PAD_TOKENS = 16
 # Rows of the stacked Grams built at once by `_gram_inner_products`: bounds its scratch memory.
 _GRAM_ROWS_ELEMS = 1 << 24
@@ -205,6 +212,7 @@ class PromptGrams:
         self._set_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._stack: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.solves = 0  # (set, prompt) eigensolves done by the set entropies
+        self._products = _ProductCache(_PRODUCT_CACHE_BYTES)
 
     # -- building ---------------------------------------------------------------------------
 
@@ -321,6 +329,7 @@ class PromptGrams:
 
     def _changed(self) -> None:
         self._set_cache.clear()
+        self._products.clear()
         self._stack = None
 
     # -- statistics -------------------------------------------------------------------------
@@ -398,32 +407,88 @@ class PromptGrams:
                 raise ValueError("set_entropy: this store keeps per-layer statistics only (factors=False)")
             self._file.flush()  # positioned reads see only what reached the OS
             order = self._order()
-            wanted = {int(order[p]) for p in prompts}
-            first, stop = min(k[0] for k in todo), max(k[-1] for k in todo) + 1
             position = np.empty(len(self), dtype=np.int64)
             position[order] = np.arange(len(self))
-            for chunk in self._prompt_chunks(wanted):
+            jobs = []
+            for chunk in self._prompt_chunks({int(order[p]) for p in prompts}, todo):
                 rows = position[chunk]
-                need = {k: np.flatnonzero(np.isnan(self._set_cache[k][rows])) for k in todo}
-                need = {k: v for k, v in need.items() if len(v)}
-                if not need:
-                    continue
-                reading = np.unique(np.concatenate(list(need.values())))  # only prompts with a missing value
-                block = self._read([chunk[r] for r in reading], first, stop)
-                gram = self._is_gram(chunk[0])
-                for key, missing in need.items():
-                    layers = torch.tensor([a - first for a in key])
-                    at = torch.from_numpy(np.searchsorted(reading, missing))
-                    values = self._set_entropies(block[at[:, None], layers[None, :]], gram)
-                    self._set_cache[key][rows[missing]] = values.numpy()
-                    self.solves += len(missing)
+                missing = np.stack([np.isnan(self._set_cache[k][rows]) for k in todo])  # [K, c]
+                keep, used = missing.any(0), missing.any(1)
+                if keep.any():
+                    chunk = [i for i, k in zip(chunk, keep) if k]
+                    jobs.append((chunk, rows[keep], [k for k, u in zip(todo, used) if u], missing[used][:, keep]))
+            # Largest first (by solves x matrix side cubed), so that no thread is left with a big job at the end.
+            jobs.sort(key=lambda job: -job[3].sum() * _solve_side(len(job[2][0]), *self._solve_shape(job[0][0])) ** 3)
+            for done_keys, done_rows, values in _parallel_map(self._chunk_entropies, jobs):
+                for key, row, value in zip(done_keys, done_rows, values):
+                    self._set_cache[key][row] = value
+                self.solves += len(values)
         return np.stack([self._set_cache[k][prompts] for k in keys], axis=1)
+
+    def _chunk_entropies(self, chunk: list[int], rows: np.ndarray, keys: list[tuple[int, ...]], want: np.ndarray):
+        """H1(K_S) of the sets `keys` on the prompts `chunk` (insertion indices, one padded shape; at
+        positions `rows` in prompt order) where want [len(keys), len(chunk)] -> (set per value,
+        position per value, values)."""
+        gram, n, w = self._solve_shape(chunk[0])
+        groups = list(_key_groups(keys, len(chunk) * w * w))
+        needed = set()
+        for group in groups:
+            if _gram_side(len(group[0]), n, w, gram):
+                needed |= {(a, -1) for key in group for a in key}
+            else:
+                needed |= {(b, a) for key in group for i, a in enumerate(key) for b in key[: i + 1]}
+        products = self._products_of(chunk, needed, gram)
+        done_keys, done_rows, done_values = [], [], []
+        for group in groups:
+            group_want = want[[keys.index(k) for k in group]]
+            matrices = _set_matrices(products, group, group_want, n, w, gram)
+            # torch's batched CPU eigvalsh slows down superlinearly with the batch: slices.
+            eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in matrices.split(_EIG_SLICE)])
+            # Vectors stored in `dtype` give an exactly PSD sum; Grams rounded to `dtype` entry by
+            # entry move eigenvalues by up to about n eps(dtype) max|K| (clipped as round-off).
+            rtol = 10 * matrices.shape[-1] * torch.finfo(self.dtype if gram else torch.float64).eps
+            which_key, which_row = np.nonzero(group_want)
+            done_keys += [group[k] for k in which_key]
+            done_rows.append(rows[which_row])
+            done_values.append(spectrum_entropy(eigvals, rtol=rtol).numpy())
+        return done_keys, np.concatenate(done_rows), np.concatenate(done_values)
+
+    def _products_of(self, chunk: list[int], needed: set[tuple[int, int]], gram: bool) -> dict[tuple[int, int], torch.Tensor]:
+        """The products `needed` of the prompts `chunk` -> {(a, b): [len(chunk), x, x] float64}:
+        (a, b), a <= b, the block Z_a^T Z_b of stored vectors; (a, -1) the Gram K_a (stored, or
+        Z_a Z_a^T). Taken from the product cache where there, else computed from the factors
+        (read only for the layers missing) and cached: the searches' sets share most layers and
+        pairs, within a search and across searches."""
+        found = {p: [self._products.get((i, *p)) for i in chunk] for p in needed}
+        missing = {p: [j for j, e in enumerate(entries) if e is None] for p, entries in found.items()}
+        layers = sorted({a for p, rows in missing.items() if rows for a in p if a >= 0})
+        if layers:
+            factors = self._read(chunk, layers)
+            at = {a: i for i, a in enumerate(layers)}
+            for p, rows in missing.items():
+                if not rows:
+                    continue
+                pick = slice(None) if len(rows) == len(chunk) else torch.tensor(rows)
+                z = factors[pick, at[p[0]]]
+                if p[1] >= 0:
+                    value = z.transpose(-2, -1) @ factors[pick, at[p[1]]]
+                else:
+                    value = z if gram else z @ z.transpose(-2, -1)
+                for j, v in zip(rows, value):
+                    found[p][j] = v.clone()  # not a view: the cache counts what it holds
+                    self._products.put((chunk[j], *p), found[p][j])
+        return {p: torch.stack(entries) for p, entries in found.items()}
 
     def prompt_grams(self, i: int) -> torch.Tensor:
         """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
         self._file.flush()
-        factor = self._read([i], 0, self._entropy.array.shape[1])[0, :, : self.tokens[i], : self.width[i]]
+        factor = self._read([i], range(self._entropy.array.shape[1]))[0, :, : self.tokens[i], : self.width[i]]
         return factor if self._is_gram(i) else factor @ factor.transpose(-2, -1)
+
+    def _solve_shape(self, i: int) -> tuple[bool, int, int]:
+        """(Grams stored?, padded token count n, columns w of a stored factor) of the i-th added prompt."""
+        gram, n = self._is_gram(i), self._padded_tokens(i)
+        return gram, n, n if gram else self.dim
 
     def _is_gram(self, i: int) -> bool:
         return self.width[i] < self.dim  # Z has more columns than rows: K is stored
@@ -434,12 +499,13 @@ class PromptGrams:
         which prompts share its batch (exact ties stay exact ties)."""
         return -(-self.tokens[i] // _PAD_TOKENS) * _PAD_TOKENS
 
-    def _prompt_chunks(self, records):
+    def _prompt_chunks(self, records, sets: Sequence[tuple[int, ...]]):
         """`records` (insertion indices) in lists of one storage kind and padded token count, at
-        most _READ_BLOCK_ELEMS of factors each (the searches' memory does not grow with P)."""
+        most _READ_BLOCK_ELEMS of the factors of the layers in `sets` each (the searches' memory
+        does not grow with P)."""
         shape = lambda i: (self._is_gram(i), self._padded_tokens(i))  # noqa: E731
         order = sorted(records, key=shape)
-        num_layers = self._entropy.array.shape[1]
+        num_layers = len({a for key in sets for a in key})
         chunk: list[int] = []
         for i in order:
             n = self._padded_tokens(i)
@@ -451,37 +517,129 @@ class PromptGrams:
         if chunk:
             yield chunk
 
-    def _read(self, chunk: list[int], first: int, stop: int) -> torch.Tensor:
-        """Layers first..stop-1 of the prompts in `chunk` (one padded shape) -> [len(chunk), layers,
-        n, w] float64, zero-padded: zero rows add nothing to Z^T Z, zero rows and columns of K add
-        zero eigenvalues only."""
+    def _read(self, chunk: list[int], layers: Sequence[int]) -> torch.Tensor:
+        """The factors of `layers` (sorted) of the prompts in `chunk` (one padded shape) ->
+        [len(chunk), len(layers), n, w] float64, zero-padded: zero rows add nothing to Z^T Z, zero
+        rows and columns of K add zero eigenvalues only."""
         n_pad = self._padded_tokens(chunk[0])
         w_pad = n_pad if self._is_gram(chunk[0]) else self.dim
-        out = torch.empty(len(chunk), stop - first, n_pad, w_pad, dtype=torch.float64)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        out = torch.empty(len(chunk), len(layers), n_pad, w_pad, dtype=torch.float64)
+        first, span = layers[0], layers[-1] + 1 - layers[0]
+        # A contiguous run of layers is read as it lies; other sets of layers are picked from their span.
+        pick = slice(None) if span == len(layers) else [a - first for a in layers]
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
-            layer_bytes = n * w * itemsize
-            data = os.pread(self._file.fileno(), layer_bytes * (stop - first), self.offset[i] + first * layer_bytes)
-            out[row, :, :n, :w] = torch.frombuffer(bytearray(data), dtype=self.dtype).view(stop - first, n, w)
+            data = torch.empty(span, n, w, dtype=self.dtype)
+            layer_bytes = n * w * data.element_size()
+            if os.preadv(self._file.fileno(), [data.numpy()], self.offset[i] + first * layer_bytes) != data.nbytes:
+                raise OSError(f"{self.path or 'the prompt-mode factor file'}: shorter than its index (truncated?)")
+            out[row, :, :n, :w] = data[pick]
             out[row, :, n:].zero_()
             out[row, :, :n, w:].zero_()
         return out
 
-    def _set_entropies(self, parts: torch.Tensor, gram: bool) -> torch.Tensor:
-        """H1(K_S) per prompt from the factors [c, m, n, w] of the set's m layers -> [c]."""
-        c, m, n, w = parts.shape
-        if gram:
-            matrix = parts.sum(1)
-        else:
-            y = parts.permute(0, 2, 1, 3).reshape(c, n, m * w)  # the concatenation [Z_a]
-            matrix = y.transpose(-2, -1) @ y if m * w <= n else y @ y.transpose(-2, -1)
-        # torch's batched CPU eigvalsh slows down superlinearly with the batch: solve in slices.
-        eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in matrix.split(_EIG_SLICE)])
-        # Vectors stored in `dtype` give an exactly PSD sum; Grams rounded to `dtype` entry by entry
-        # move eigenvalues by up to about n eps(dtype) max|K| (clipped as round-off).
-        rtol = 10 * matrix.shape[-1] * torch.finfo(self.dtype if gram else torch.float64).eps
-        return spectrum_entropy(eigvals, rtol=rtol)
+
+@functools.lru_cache(maxsize=1)
+def _solver_pool(workers: int) -> ThreadPoolExecutor:
+    # Kept for the process: a fresh thread pays LAPACK's per-thread set-up on its first solve.
+    return ThreadPoolExecutor(workers, thread_name_prefix="elsi-set-entropy")
+
+
+def _parallel_map(fn, jobs: list[tuple]) -> list:
+    """[fn(*job) for job in jobs], on a pool of one thread per intra-op thread, each running torch
+    with one intra-op thread: the jobs are many small GEMMs and eigensolves, which LAPACK's and
+    torch's own threads only slow down (the solves ran up to 10x slower with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if threads > 1 and len(jobs) > 1:
+            return list(_solver_pool(threads).map(lambda job: fn(*job), jobs))
+        return [fn(*job) for job in jobs]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _key_groups(keys: list[tuple[int, ...]], elements_per_key: int):
+    """`keys` in groups of one set size, each bounded so its set matrices hold at most about
+    _READ_BLOCK_ELEMS elements."""
+    for size in sorted({len(k) for k in keys}):
+        same = [k for k in keys if len(k) == size]
+        step = max(1, _READ_BLOCK_ELEMS // (elements_per_key * size * size))
+        for start in range(0, len(same), step):
+            yield same[start : start + step]
+
+
+def _gram_side(m: int, n: int, w: int, gram: bool) -> bool:
+    """Whether the spectrum of a set of m layers is solved on the n x n Gram side (stored Grams,
+    or m w > n), else on the m w x m w side of the concatenated vectors."""
+    return gram or m * w > n
+
+
+def _solve_side(m: int, gram: bool, n: int, w: int) -> int:
+    """Side of the matrix solved for a set of m layers (see _gram_side)."""
+    return n if _gram_side(m, n, w, gram) else m * w
+
+
+def _set_matrices(
+    products: dict[tuple[int, int], torch.Tensor], keys: list[tuple[int, ...]], want: np.ndarray, n: int, w: int, gram: bool
+) -> torch.Tensor:
+    """Per set S of `keys` (sorted layers, all of one size m) and prompt r with want[S, r], in that
+    order, a matrix whose nonzero spectrum is that of K_S = sum_{a in S} K_a -> [want.sum(), k, k],
+    lower triangles only (what eigvalsh reads), from the chunk's `products` (see
+    PromptGrams._products_of): on the Gram side sum_a K_a; else [Z_a]^T [Z_a], assembled from the
+    blocks Z_a^T Z_b.
+    """
+    m = len(keys[0])
+    gram_side = _gram_side(m, n, w, gram)
+    side = n if gram_side else m * w
+    counts = want.sum(1)
+    out = torch.empty(int(counts.sum()), side, side, dtype=torch.float64)
+    start = 0
+    for key, wanted, count in zip(keys, want, counts):
+        rows = slice(None) if count == len(wanted) else torch.from_numpy(np.flatnonzero(wanted))
+        target = out[start : start + count]
+        start += count
+        if gram_side:
+            target.copy_(sum(products[a, -1][rows] for a in key))
+            continue
+        for i, a in enumerate(key):
+            for j, b in enumerate(key[: i + 1]):  # block (i, j), j <= i: Z_a^T Z_b = (Z_b^T Z_a)^T
+                target[:, i * w : (i + 1) * w, j * w : (j + 1) * w] = products[b, a][rows].transpose(-2, -1)
+    return out
+
+
+class _ProductCache:
+    """Least-recently-used cache of per-prompt products (see PromptGrams._products_of), at most
+    `limit` bytes, shared by the solver threads."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.bytes = 0
+        self._entries: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> torch.Tensor | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: tuple, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        with self._lock:
+            if key in self._entries or size > self.limit:
+                return
+            self._entries[key] = value
+            self.bytes += size
+            while self.bytes > self.limit:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,8 +774,9 @@ def analyze(
     statistic is computed in float64.
     screen_z: width of the set searches' screen in standard errors (inf: every candidate set is
     evaluated on every prompt; the picks of the default are tested against that).
-    state_path: accumulator state saved there atomically every `save_every` batches; a rerun
-    with the same path, prompts and options continues after the last saved batch. The prompt-mode
+    state_path: accumulator state saved there atomically every `save_every` batches and on
+    Ctrl-C (once the batch under way ends, then KeyboardInterrupt is raised); a rerun with the
+    same path, prompts and options continues after the last saved batch. The prompt-mode
     vectors go to `state_path + ".factors"` (without state_path: an anonymous temporary file).
     Under torch.distributed, prompts are sharded by rank and the statistics reduced, so every rank
     returns the single-process result (the state file gets a `.rank{r}` suffix).
@@ -675,7 +834,9 @@ def analyze(
     bar = _progress_bar(sum(len(token_ids[i]) for i in remaining), progress and rank == 0)
     started = time.perf_counter()
     batches_since_save = 0
-    with torch.inference_mode():
+    # Ctrl-C mid-batch would leave the accumulators half-updated: it waits for the batch's end,
+    # where the state is saved.
+    with torch.inference_mode(), DeferredInterrupt("the pass", enabled=state_path is not None) as interrupt:
         for start in range(0, len(remaining), options.batch_size):
             batch = remaining[start : start + options.batch_size]
             _process_batch(
@@ -684,9 +845,10 @@ def analyze(
             state.position += len(batch)
             bar.update(sum(len(token_ids[i]) for i in batch))
             batches_since_save += 1
-            if state_path is not None and batches_since_save >= options.save_every:
+            if state_path is not None and (batches_since_save >= options.save_every or interrupt.requested):
                 _save_atomically(state.state_dict(fingerprint), state_path)
                 batches_since_save = 0
+            interrupt.raise_if_requested()
     bar.close()
     elapsed = time.perf_counter() - started
     if state_path is not None and batches_since_save:

@@ -62,8 +62,12 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     1. Sets are taken in order of their mean surrogate, _SCREEN_ROUND at a time, and estimated on
        the first sample; taking stops when the next set's mean surrogate plus the largest error
        seen (+ its spread and z se) cannot reach the leader's lower bound est - z se.
-    2. Racing: sets whose upper bound est + z se is below the leader's lower bound are dropped, the
-       sample grows 4x, until it holds every prompt; the survivors' values are then exact.
+    2. Racing on paired differences: each set is compared with the leader on the same prompts.
+       The difference of their exact values is estimated with the difference of their surrogates
+       as control variate, its coefficient fitted on the sample (ordinary least squares), and the
+       set is dropped when that estimate + z se < 0. Sets that share layers have errors that move
+       together across prompts, so their difference is known far better than either value. The
+       sample doubles until it holds every prompt; the survivors' values are then exact.
     This is a screen, not a bound: tests compare its picks with brute force, including planted ties.
     """
     sign = 1.0 if maximize else -1.0
@@ -73,17 +77,30 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     order = np.argsort(-approx, kind="stable")
     permutation = np.random.default_rng(len(sets)).permutation(num_prompts)
     estimate, error = np.full(len(sets), np.nan), np.zeros(len(sets))
+    residuals: dict[int, np.ndarray] = {}  # per set, exact - surrogate on permutation[:size]
 
     def run(indices: list[int], size: int) -> None:
-        sample = np.sort(permutation[:size])
+        sample = permutation[:size]
         exact = sign * np.asarray(objective.values([sets[i] for i in indices], sample), dtype=np.float64)
         objective.counts["prompt_evaluations"] += exact.size
         if size == num_prompts:  # exact means, so that exact ties stay ties
-            estimate[indices], error[indices] = exact.mean(0), 0.0
+            estimate[indices], error[indices] = exact[np.argsort(sample)].mean(0), 0.0
             return
         residual = exact - per_prompt[sample][:, indices]
         estimate[indices] = approx[indices] + residual.mean(0)
-        error[indices] = residual.std(0, ddof=1) / math.sqrt(size) * math.sqrt(1 - size / num_prompts) if size > 1 else 0.0
+        error[indices] = _standard_error(residual, num_prompts)
+        residuals.update(zip(indices, residual.T))
+
+    def beaten(i: int, leader: int) -> bool:
+        sample = permutation[: len(residuals[i])]
+        cheap = per_prompt[sample, i] - per_prompt[sample, leader]
+        exact = residuals[i] - residuals[leader] + cheap
+        # The control variate's coefficient fitted on the sample (1 would be the plain difference).
+        spread = cheap.var()
+        beta = 0.0 if spread == 0 else float(np.mean((exact - exact.mean()) * (cheap - cheap.mean())) / spread)
+        corrected = exact - beta * cheap
+        gap = beta * (approx[i] - approx[leader]) + corrected.mean()
+        return gap + objective.z * _standard_error(corrected[:, None], num_prompts)[0] < 0
 
     size = num_prompts if math.isinf(objective.z) else min(num_prompts, _FIRST_SAMPLE)
     alive: list[int] = []
@@ -99,15 +116,24 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
         if start + _SCREEN_ROUND < len(order) and approx[order[start + _SCREEN_ROUND]] + reach < lower:
             break
     while size < num_prompts:
-        lower = np.max(estimate[alive] - objective.z * error[alive])
-        alive = [i for i in alive if estimate[i] + objective.z * error[i] >= lower]
-        size = min(num_prompts, 4 * size)
+        leader = alive[int(np.argmax(estimate[alive]))]
+        alive = [i for i in alive if i == leader or not beaten(i, leader)]
+        size = min(num_prompts, 2 * size)
         run(alive, size)
     objective.counts["screened"] += len(sets)
     objective.counts["evaluated"] += len(alive)
     alive.sort()  # ties go to the first in `sets`
     pick = alive[_first_best(estimate[alive])]
     return pick, float(sign * estimate[pick])
+
+
+def _standard_error(samples: np.ndarray, population: int) -> np.ndarray:
+    """Standard error of the column means of `samples` [s, N], drawn without replacement from
+    `population` values (finite-population corrected; 0 for one sample)."""
+    size = samples.shape[0]
+    if size < 2:
+        return np.zeros(samples.shape[1])
+    return samples.std(0, ddof=1) / math.sqrt(size) * math.sqrt(1 - size / population)
 
 
 def _check_square(matrix: np.ndarray, name: str) -> np.ndarray:

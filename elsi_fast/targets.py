@@ -15,13 +15,13 @@ the text itself, so a second call reuses the result. Two recipes ship:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import shutil
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 # Bump when the training procedure changes in a way the recipe fields do not capture.
 _RECIPE_FORMAT = 1
 EOS_TOKEN = "<|endoftext|>"
+TRAIN_STATE_FILE = "train_state.pt"
 STDLIB = "stdlib"
 
 
@@ -214,16 +215,26 @@ def _llama_config(recipe: TargetRecipe, tokenizer):
     )
 
 
-def train_target(recipe: TargetRecipe, out_dir: str | os.PathLike, *, progress: bool = True) -> dict:
+def train_target(
+    recipe: TargetRecipe, out_dir: str | os.PathLike, *, progress: bool = True, save_every: int = 25
+) -> dict:
     """Train the recipe's tokenizer and model and `save_pretrained` both into `out_dir`.
 
-    Seeded: the same recipe on the same machine and thread count gives the same weights.
+    Seeded: the same recipe on the same machine and thread count gives the same weights. The
+    training state (model, optimizer, schedule, sampler) is saved to ``out_dir/train_state.pt``
+    every `save_every` steps and when Ctrl-C arrives; a later call with the same recipe and
+    `out_dir` continues from it and ends with the weights an uninterrupted run gives.
     Returns the training summary that is also written to ``out_dir/recipe.json``.
     """
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
+    from .interrupt import DeferredInterrupt
+
     start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / TRAIN_STATE_FILE
     texts = training_texts(recipe)
     tokenizer = train_tokenizer(texts, recipe.vocab_size)
     stream = _token_stream(tokenizer, texts)
@@ -245,33 +256,56 @@ def train_target(recipe: TargetRecipe, out_dir: str | os.PathLike, *, progress: 
     gen = torch.Generator().manual_seed(recipe.seed)
     offsets = torch.arange(window)
     losses: list[float] = []
-    bar = tqdm(range(recipe.steps), desc=f"train target {recipe.name} (threads: {torch.get_num_threads()})", disable=not progress)
-    for _ in bar:
-        starts = torch.randint(0, stream.numel() - window + 1, (recipe.batch_size,), generator=gen)
-        batch = stream[starts[:, None] + offsets]
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    # The stream's hash guards against a tokenizer that trained differently since the state was saved.
+    identity = {"key": recipe_key(recipe), "stream": hashlib.sha256(stream.numpy().tobytes()).hexdigest()}
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=True)
+        if state["identity"] == identity:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            gen.set_state(state["generator"])
+            losses = list(state["losses"])
+
+    def save() -> None:
+        tmp = state_path.with_name(state_path.name + ".tmp")
+        torch.save({"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "generator": gen.get_state(), "losses": losses}, tmp)
+        os.replace(tmp, state_path)
+
+    bar = tqdm(total=recipe.steps, initial=len(losses),
+               desc=f"train target {recipe.name} (threads: {torch.get_num_threads()})", disable=not progress)
+    with DeferredInterrupt("the target's training state") as interrupt:
+        while len(losses) < recipe.steps:
+            starts = torch.randint(0, stream.numel() - window + 1, (recipe.batch_size,), generator=gen)
+            batch = stream[starts[:, None] + offsets]
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if (len(losses) % save_every == 0 and len(losses) < recipe.steps) or interrupt.requested:
+                save()
+            interrupt.raise_if_requested()
+    bar.close()
     model.eval()
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     tail = losses[-max(1, len(losses) // 10):]
     summary = {
         "recipe": dataclasses.asdict(recipe), "key": recipe_key(recipe),
         "train_tokens": int(stream.numel()), "final_loss": sum(tail) / len(tail),
-        "first_loss": losses[0], "seconds": time.perf_counter() - start,
+        "first_loss": losses[0], "seconds_this_run": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
     (out / "recipe.json").write_text(json.dumps(summary, indent=2))
+    state_path.unlink(missing_ok=True)
     return summary
 
 
@@ -286,23 +320,24 @@ def build_target(
 ) -> Path:
     """Train the recipe's target unless a cached copy exists; return its directory.
 
-    Training happens in a temporary sibling directory renamed into place when complete, so an
-    interrupted build never leaves a half-written model that a later call would reuse.
+    Training happens in a sibling directory ``.<name>.partial`` renamed into place when complete,
+    so an interrupted build never leaves a half-written model that a later call would reuse, and
+    the next call continues the interrupted training from its last saved step. A lock file keeps
+    two processes from training the same target at once (the second waits, then reuses it).
     """
     final = target_dir(recipe, cache_dir)
     if (final / "recipe.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        train_target(recipe, tmp, progress=progress)
-        if final.exists():  # a concurrent build finished first: keep its copy
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "recipe.json").is_file():  # another process built it while we waited
+            return final
+        partial = final.parent / f".{final.name}.partial"
+        train_target(recipe, partial, progress=progress)
+        if final.exists():  # a build without recipe.json: never complete, so replaced
+            shutil.rmtree(final)
+        os.replace(partial, final)
     return final
 
 

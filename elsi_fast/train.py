@@ -25,6 +25,7 @@ import torch
 
 from .capture import capture_hidden_states, decoder_layers
 from .draft import Eagle3Config, Eagle3Draft
+from .interrupt import DeferredInterrupt
 from .spec import SpecResult, draft_positions_needed, native_decoder_for, speculative_generate
 from .targets import warmup_cosine
 
@@ -177,8 +178,10 @@ def train_draft(
     draft_config: `Eagle3Config` field overrides (default: the target's block shape).
     draft_vocab_size: size of the frequency-ranked draft vocabulary (default: min(vocab, 1024)).
     ttt_steps: training-time-test depth (EAGLE3 uses 7; 3 keeps CPU training cheap while still
-    teaching the draft to consume its own outputs). Returns the trained draft in eval mode; the
-    EAGLE3 checkpoint and `train_summary.json` are in `out_dir`.
+    teaching the draft to consume its own outputs). The training state is saved to `out_dir`
+    every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt
+    is raised); with `resume` a rerun continues from it. Returns the trained draft in eval mode;
+    the EAGLE3 checkpoint and `train_summary.json` are in `out_dir`.
     """
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 3),
                              ("ttt_steps", ttt_steps, 1), ("save_every", save_every, 1), ("warmup", warmup, 0)):
@@ -237,23 +240,27 @@ def train_draft(
     target.eval()
     draft.train()
     bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})", disable=not progress)
+    # Ctrl-C mid-step would leave the draft and its optimizer out of step: it waits for the step's
+    # end, where the state is saved.
     try:
-        while step < steps:
-            starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=sampler)
-            batch = stream[starts[:, None] + offsets].to(device)
-            aux, next_ids, probs = _target_batch(target, layers, batch, vocab_ids.to(device))
-            loss, per_step, agree = ttt_loss(draft.ttt_forward(aux, next_ids, ttt_steps), probs)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            history.append({"step": step, "loss": float(loss.detach()), "step_losses": per_step, "top1": agree})
-            bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", top1=f"{agree:.2f}")
-            if step % save_every == 0 or step == steps:
-                save()
+        with DeferredInterrupt("the training state") as interrupt:
+            while step < steps:
+                starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=sampler)
+                batch = stream[starts[:, None] + offsets].to(device)
+                aux, next_ids, probs = _target_batch(target, layers, batch, vocab_ids.to(device))
+                loss, per_step, agree = ttt_loss(draft.ttt_forward(aux, next_ids, ttt_steps), probs)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                schedule.step()
+                step += 1
+                history.append({"step": step, "loss": float(loss.detach()), "step_losses": per_step, "top1": agree})
+                bar.update(1)
+                bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", top1=f"{agree:.2f}")
+                if step % save_every == 0 or step == steps or interrupt.requested:
+                    save()
+                interrupt.raise_if_requested()
     finally:
         bar.close()
         target.train(was_training)

@@ -4,6 +4,7 @@
 import itertools
 import math
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -251,6 +252,35 @@ def check_selections_equal_brute_force(model, prompts, threshold, **options):
     return report
 
 
+def test_set_entropies_do_not_depend_on_threads_cache_or_batching():
+    """Set entropies are solved by a thread pool over prompt chunks, from Gram blocks kept in a
+    bounded cache: two threads, a cache that holds almost nothing, and sets asked one at a time or
+    all at once give the same values, bit for bit, equal to the brute-force definition."""
+    from elsi_fast import analysis
+
+    model = tiny_model("llama", num_hidden_layers=5, seed=21)
+    prompts = make_prompts(12, seed=21, min_len=12, max_len=60)  # Grams and vectors stored
+    report = analyze(model, SpecialIds(), prompts, m=(1,), min_token_entropy=0, gram_dtype="float64", progress=False)
+    store = report.set_entropy.values.__self__
+    sets = [(1, 2), (1, 3), (2, 4), (1, 2, 3), (0, 2, 5), (3, 4, 5)]
+    everything = np.arange(len(store))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        store._changed()
+        one = store.prompt_set_entropy(sets, everything)
+        torch.set_num_threads(2)
+        store._changed()
+        store._products = analysis._ProductCache(limit=40_000)  # about one block: every product is recomputed
+        two = np.stack([store.prompt_set_entropy([s], everything)[:, 0] for s in sets], axis=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(one, two)
+    assert store._products.bytes <= 40_000
+    f = brute_force_set_entropy([store.prompt_grams(i).numpy() for i in np.argsort(store.prompt_index)])
+    np.testing.assert_allclose(one.mean(0), [f(s) for s in sets], rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("lengths", [(12, 22), (40, 60), (20, 50)], ids=["grams", "rows", "mixed"])
 def test_screened_selections_equal_brute_force(lengths):
     """Short prompts store Grams (n < d = 32), long ones the vectors themselves (n >= d); set
@@ -287,11 +317,14 @@ def test_prompt_statistics_use_all_kept_tokens_and_spill_to_the_run_folder(tmp_p
     assert report.timing["selection_seconds"] > 0 and report.timing["pass_seconds"] > 0
 
 
-class _Interrupt(Exception):
+class _Crash(Exception):
     pass
 
 
-def test_resume_after_interruption_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("stop", ["crash", "ctrl_c"])
+def test_resume_after_interruption_equals_uninterrupted(tmp_path, stop):
+    """A crash in the third batch loses it (the state has the last periodic save, every batch
+    here); Ctrl-C in the third batch lets it finish and saves it although no save was due."""
     model = tiny_model("llama", seed=3)
     prompts = make_prompts(7, seed=3)
     options = dict(m=(1, 2), batch_size=2, min_token_entropy=0.5, gram_dtype="float64", progress=False)
@@ -299,17 +332,20 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
 
     calls = {"n": 0}
 
-    def fail_on_third_batch(module, args):
+    def stop_in_third_batch(module, args):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise _Interrupt
+            if stop == "crash":
+                raise _Crash
+            os.kill(os.getpid(), signal.SIGINT)
 
     state = str(tmp_path / "state.pt")
-    handle = model.model.layers[0].register_forward_pre_hook(fail_on_third_batch)
-    with pytest.raises(_Interrupt):
-        analyze(model, SpecialIds(), prompts, state_path=state, save_every=1, **options)
+    handle = model.model.layers[0].register_forward_pre_hook(stop_in_third_batch)
+    with pytest.raises(_Crash if stop == "crash" else KeyboardInterrupt):
+        analyze(model, SpecialIds(), prompts, state_path=state, save_every=1 if stop == "crash" else 100, **options)
     handle.remove()
-    assert torch.load(state, weights_only=False)["position"] == 4  # two batches of 2 were saved
+    assert calls["n"] == 3  # no batch started after the stop
+    assert torch.load(state, weights_only=False)["position"] == (4 if stop == "crash" else 6)  # batches of 2
     resumed = analyze(model, SpecialIds(), prompts, state_path=state, save_every=1, **options)
     assert resumed.tokens == full.tokens  # no token counted twice
     for a, b in zip(resumed.layers, full.layers):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -80,13 +82,48 @@ def test_cache_is_reused_and_keyed_by_recipe_and_text(tmp_path, corpus, monkeypa
 
 def test_failed_build_leaves_no_cache_entry(tmp_path, corpus, monkeypatch):
     def interrupted(recipe, out_dir, progress=True):
-        (out_dir / "partial").write_text("x")
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_text("half-written")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(targets, "train_target", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_target(_tiny(corpus), cache_dir=tmp_path, progress=False)
-    assert list((tmp_path / "targets").iterdir()) == []
+    assert not targets.target_dir(_tiny(corpus), tmp_path).exists()  # nothing a later call would reuse
+
+
+def test_ctrl_c_saves_the_target_training_and_the_next_build_continues_it(tmp_path, corpus, monkeypatch):
+    recipe = _tiny(corpus, steps=6)
+    reference = build_target(recipe, cache_dir=tmp_path / "full", progress=False)
+
+    from transformers import LlamaForCausalLM
+
+    real_forward = LlamaForCausalLM.forward
+    calls = {"n": 0}
+
+    def ctrl_c_in_third_step(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_forward(self, *a, **kw)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", ctrl_c_in_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        build_target(recipe, cache_dir=tmp_path / "split", progress=False)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", real_forward)
+    assert calls["n"] == 3
+    final = targets.target_dir(recipe, tmp_path / "split")
+    assert not final.exists()
+    state = torch.load(final.parent / f".{final.name}.partial" / targets.TRAIN_STATE_FILE, weights_only=True)
+    assert len(state["losses"]) == 3  # saved at the end of the interrupted step
+
+    resumed = build_target(recipe, cache_dir=tmp_path / "split", progress=False)
+    assert resumed == final and not (final / targets.TRAIN_STATE_FILE).exists()
+    w1, w2 = load_file(reference / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for name in w1:
+        assert torch.equal(w1[name], w2[name]), name
+    assert json.loads((resumed / "recipe.json").read_text())["final_loss"] == pytest.approx(
+        json.loads((reference / "recipe.json").read_text())["final_loss"], rel=0, abs=0)
 
 
 def test_holdout_split_partitions_every_document(corpus):

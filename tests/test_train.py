@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
+import signal
 
 import pytest
 import torch
@@ -131,25 +133,31 @@ def test_training_reduces_loss_and_writes_an_eagle3_checkpoint(tmp_path):
         assert torch.equal(tensor, reloaded.state_dict()[name]), name
 
 
-def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch):
-    args = dict(steps=6, seed=1, save_every=2, **SMALL)
+@pytest.mark.parametrize("stop", ["crash", "ctrl_c"])
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatch, stop):
+    """A crash in the fifth step loses it (the state has the step-4 checkpoint); Ctrl-C in the
+    fifth step lets it finish and saves it although no checkpoint was due."""
+    args = dict(steps=6, seed=1, save_every=2 if stop == "crash" else 100, **SMALL)
     full = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path / "full", **args)
 
     real_batch = train_mod._target_batch
     calls = {"n": 0}
 
-    def crash_on_fifth(*a, **kw):
+    def stop_in_fifth(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 5:
-            raise KeyboardInterrupt
+            if stop == "crash":
+                raise KeyboardInterrupt  # raised by the code itself: nothing can save the step
+            os.kill(os.getpid(), signal.SIGINT)
         return real_batch(*a, **kw)
 
-    monkeypatch.setattr(train_mod, "_target_batch", crash_on_fifth)
+    monkeypatch.setattr(train_mod, "_target_batch", stop_in_fifth)
     with pytest.raises(KeyboardInterrupt):
         train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path / "split", **args)
     monkeypatch.setattr(train_mod, "_target_batch", real_batch)
+    assert calls["n"] == 5
     state = torch.load(tmp_path / "split" / train_mod.STATE_FILE, weights_only=True)
-    assert state["step"] == 4  # the last checkpoint before the crash
+    assert state["step"] == (4 if stop == "crash" else 5)
     resumed = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path / "split", **args)
     history = json.loads((tmp_path / "split" / "train_summary.json").read_text())["history"]
     assert [h["step"] for h in history] == list(range(1, 7))

@@ -146,8 +146,8 @@ def run_files(out: str) -> list[str]:
 
 def interrupted(args: argparse.Namespace) -> str:
     if state_files(args.out):
-        return (f"the pass up to its last saved batch is in {os.path.join(args.out, STATE_FILE)}: "
-                "rerun the same command with --resume to continue")
+        return (f"the pass is saved in {os.path.join(args.out, STATE_FILE)} up to the batch Ctrl-C interrupted (a "
+                "second Ctrl-C: up to the last periodic save): rerun the same command with --resume to continue")
     return "no state was saved yet: rerun the command to start over"
 
 

@@ -42,8 +42,8 @@ def check(args: argparse.Namespace) -> None:
 
 
 def interrupted(args: argparse.Namespace) -> str:
-    return ("rerun the same command: a finished demo target (cached in $ELSI_FAST_CACHE or ~/.cache/elsi-fast) "
-            "and finished or partly trained drafts are reused")
+    return ("rerun the same command: the demo target (cached in $ELSI_FAST_CACHE or ~/.cache/elsi-fast) and the "
+            "drafts continue from their last saved step, or are reused when finished")
 
 
 def _calibration_file(out: str) -> str:

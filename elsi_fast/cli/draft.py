@@ -118,8 +118,8 @@ def train_check(args: argparse.Namespace) -> None:
 def train_interrupted(args: argparse.Namespace) -> str:
     state = os.path.join(args.out, TRAINING_STATE_FILE)
     if os.path.isfile(state):
-        return (f"training up to its last checkpoint (every --save-every steps) is in {state}: rerun the same "
-                "command to continue (--no-resume starts over)")
+        return (f"training is saved in {state} up to the step Ctrl-C interrupted (a second Ctrl-C: up to the last "
+                "--save-every step): rerun the same command to continue (--no-resume starts over)")
     return "no training state was saved yet: rerun the command to start over"
 
 
