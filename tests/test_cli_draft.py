@@ -108,3 +108,40 @@ def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(targets, "train_target", lambda *a, **k: pytest.fail("target trained twice"))
     assert main(["demo", "--out", str(out), "--train-drafts", "--steps", "2", "--no-progress"]) == 0
     assert json.loads((out / "drafts" / "tau.json").read_text()) == tau
+
+
+def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
+    from elsi_fast import train
+    from elsi_fast.cli import EXIT_INTERRUPTED
+    from elsi_fast.cli.draft import EVAL_PROGRESS_FILE
+
+    root, corpus, target, prompts = setup
+    out = root / "draft-for-resume"
+    assert main(["train-draft", "--target", str(target), "--layers", "2", "--data", str(corpus),
+                 "--out", str(out), *TRAIN]) == 0
+    evaluate = ["eval-draft", "--target", str(target), "--draft", str(out), "--prompts", str(prompts),
+                "--k", "2", "--max-new-tokens", "6", "--no-progress"]
+    assert main(evaluate + ["--json", str(root / "whole.json")]) == 0
+    whole = json.loads((root / "whole.json").read_text())["tau"]
+    assert not (out / EVAL_PROGRESS_FILE).exists()  # removed on success
+    capsys.readouterr()
+
+    generate, calls = train.speculative_generate, []
+
+    def ctrl_c_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(train, "speculative_generate", ctrl_c_at_third)
+    assert main(evaluate) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert str(out / EVAL_PROGRESS_FILE) in err and "continue" in err and "Traceback" not in err
+    assert len((out / EVAL_PROGRESS_FILE).read_text().splitlines()) == 1 + 2  # header + two prompts
+
+    calls.clear()
+    assert main(evaluate + ["--json", str(root / "resumed.json")]) == 0
+    assert len(calls) == len(prompts.read_text().splitlines()) - 2  # only the prompts that had not finished
+    assert json.loads((root / "resumed.json").read_text())["tau"] == whole
+    assert not (out / EVAL_PROGRESS_FILE).exists()

@@ -12,6 +12,8 @@ from .analyze import check_device, check_model, check_out_folder
 
 # elsi_fast.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
 TRAINING_STATE_FILE = "training_state.pt"
+# eval-draft's finished prompts (elsi_fast.train.speculative_runs state_path), removed on success.
+EVAL_PROGRESS_FILE = "eval_progress.jsonl"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval-draft",
         help="mean acceptance length tau of a draft per prompt category (greedy speculative decoding)",
         description="Speculative decoding of each prompt with the target and the draft; prints tau "
-        "(tokens per target forward) per category and over all prompts.",
+        "(tokens per target forward) per category and over all prompts. Each finished prompt is saved to "
+        f"DRAFT/{EVAL_PROGRESS_FILE}, so a rerun after Ctrl-C continues with the rest; the file is removed "
+        "when the run completes.",
     )
     evaluate.add_argument("--target", required=True, help="target model folder or hub id")
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
@@ -68,8 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="draft decode path (default auto: native when it can run)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
-    evaluate.set_defaults(func=eval_handler, check=eval_check,
-                          interrupted=lambda args: "eval-draft saves nothing: rerun the command")
+    evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)
 
 
 def _load_texts(path: str, option: str) -> list:
@@ -170,6 +173,18 @@ def prompts_by_category(prompts: list, tokenizer, max_prompts: int | None, max_t
     return grouped
 
 
+def _eval_progress_file(args: argparse.Namespace) -> str:
+    # Beside the draft it measures; another target, prompt set or setting starts it over.
+    return os.path.join(args.draft, EVAL_PROGRESS_FILE)
+
+
+def eval_interrupted(args: argparse.Namespace) -> str:
+    if os.path.isfile(_eval_progress_file(args)):
+        return (f"the prompts finished so far are saved in {_eval_progress_file(args)}: rerun the same command to "
+                "continue with the rest")
+    return "no prompt had finished: rerun the command"
+
+
 def eval_handler(args: argparse.Namespace) -> int:
     from ..draft import Eagle3Draft
     from ..train import pooled_tau, speculative_runs
@@ -179,9 +194,10 @@ def eval_handler(args: argparse.Namespace) -> int:
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
+    progress_file = _eval_progress_file(args) if os.access(args.draft, os.W_OK) else None
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
                             draft_dtype=args.draft_dtype, draft_backend=args.draft_backend,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, state_path=progress_file)
     taus = pooled_tau(runs)
     results = [result for per_prompt in runs.values() for result in per_prompt]
     draft_calls = {key: sum(r.draft_calls.get(key, 0) for r in results) for key in results[0].draft_calls}
@@ -198,4 +214,6 @@ def eval_handler(args: argparse.Namespace) -> int:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
                        "max_new_tokens": args.max_new_tokens, "tau": taus, "draft_backend": backend,
                        "draft_calls": draft_calls}, f, indent=1)
+    if progress_file is not None:
+        os.remove(progress_file)
     return 0
