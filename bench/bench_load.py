@@ -8,7 +8,8 @@ Jobs (each a fresh `elsi-fast` process with the CLI's default thread choice):
 - "cpu_reference": a one-thread pure-Python loop of fixed work: the share of a core the scheduler
   gives one thread in each condition, the bound for any single-threaded job.
 Conditions (`--conditions`):
-- "no_added_load": the machine as it is, other tenants included (the load average is recorded);
+- "no_added_load": the machine as it is, other tenants included, after waiting (`--settle`) for the
+  1-minute load average to fall below 0.5 (the load average is recorded);
 - "one_tenant": `--hogs` busy processes (a pure CPU loop each, normal priority) in one other
   session, like one other user's `make -j10` or 10-worker job;
 - "tenants": the same processes each in its own session, like that many users with one busy
@@ -106,6 +107,13 @@ def _stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
+def _wait_for_quiet(limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
+        time.sleep(5)
+    print(f"1-minute load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+
+
 def _record(job: str, condition: str, mode: str, result: dict, reference: dict | None, hogs: int) -> None:
     """One row per run, written as soon as it ends (a long run cut short keeps the finished rows)."""
     from bench.common import cpu_model, record
@@ -140,6 +148,10 @@ def main() -> None:
     parser.add_argument("--demo-conditions", nargs="+", choices=_CONDITIONS, default=["no_added_load", "one_tenant"],
                         help="conditions the demo runs in (default: no_added_load one_tenant; under 'tenants' it "
                         "takes about 6x its idle time, like any job that needs a core)")
+    parser.add_argument("--settle", type=float, default=300.0,
+                        help="seconds to wait at most for the 1-minute load average to fall below 0.5 before "
+                        "the runs without added load, so that they and the thread choice see the machine at rest "
+                        "(default 300)")
     parser.add_argument("--spin-timeout", type=float, default=150.0,
                         help="seconds allowed to the spinning mode (default 150)")
     parser.add_argument("--modes", nargs="+", choices=_MODES, default=["default"],
@@ -155,6 +167,7 @@ def main() -> None:
             runs.append((condition, "demo", "default"))
     base_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     results: dict[tuple[str, str, str], dict] = {}
+    _wait_for_quiet(args.settle)
     with tempfile.TemporaryDirectory() as tmp:
         hogs: list[subprocess.Popen] = []
         loaded = "no_added_load"

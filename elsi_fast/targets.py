@@ -223,7 +223,8 @@ def train_target(
     Seeded: the same recipe on the same machine and thread count gives the same weights. The
     training state (model, optimizer, schedule, sampler) is saved to ``out_dir/train_state.pt``
     every `save_every` steps and when Ctrl-C arrives; a later call with the same recipe and
-    `out_dir` continues from it and ends with the weights an uninterrupted run gives.
+    `out_dir` continues from it and ends with the weights an uninterrupted run gives (at the same
+    thread count).
     Returns the training summary that is also written to ``out_dir/recipe.json``.
     """
     from tqdm.auto import tqdm
