@@ -438,9 +438,10 @@ class PromptGrams:
             else:
                 needed |= {(b, a) for key in group for i, a in enumerate(key) for b in key[: i + 1]}
         products = self._products_of(chunk, needed, gram)
+        row_of = {key: i for i, key in enumerate(keys)}
         done_keys, done_rows, done_values = [], [], []
         for group in groups:
-            group_want = want[[keys.index(k) for k in group]]
+            group_want = want[[row_of[k] for k in group]]
             matrices = _set_matrices(products, group, group_want, n, w, gram)
             # torch's batched CPU eigvalsh slows down superlinearly with the batch: slices.
             eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in matrices.split(_EIG_SLICE)])
