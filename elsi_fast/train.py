@@ -350,7 +350,7 @@ class _ResultLog:
         results: list[SpecResult] = []
         if self.path.is_file():
             lines = self.path.read_text().splitlines()
-            if lines and json.loads(lines[0]).get("fingerprint") == self.fingerprint:
+            if lines and self._header(lines[0]) == self.fingerprint:
                 for line in lines[1:]:
                     try:
                         fields = json.loads(line)
@@ -367,6 +367,15 @@ class _ResultLog:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(self._line(result))
+
+    @staticmethod
+    def _header(line: str) -> str | None:
+        """The fingerprint a header line names (None for a line cut by a crash: start over)."""
+        try:
+            header = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        return header.get("fingerprint") if isinstance(header, dict) else None
 
     @staticmethod
     def _line(result: SpecResult) -> str:

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from elsi_fast import train as train_mod
 from elsi_fast.draft import Eagle3Draft
-from elsi_fast.spec import speculative_generate
+from elsi_fast.spec import SpecResult, speculative_generate
 from elsi_fast.targets import train_tokenizer
 from elsi_fast.train import (
     draft_vocab_ids,
@@ -198,3 +198,20 @@ def test_evaluate_tau_pools_rounds_per_category(tmp_path):
     assert all(1.0 <= tau <= 4.0 for tau in taus.values())
     with pytest.raises(ValueError, match="max_new_tokens"):
         evaluate_tau(TARGET, draft, prompts, k=3, max_new_tokens=1)
+
+
+def test_eval_progress_file_cut_by_a_crash_starts_over_or_keeps_whole_lines(tmp_path):
+    log_path = tmp_path / "progress.jsonl"
+    log_path.write_text('{"finger')  # the header itself was cut
+    assert train_mod._ResultLog(log_path, "abc").load() == []
+    assert json.loads(log_path.read_text().splitlines()[0]) == {"fingerprint": "abc"}
+    result = SpecResult(tokens=torch.tensor([5, 6, 7]), accepted_lengths=[1], k=2, draft_time_s=0.1,
+                        target_time_s=0.2, draft_backend="torch", draft_calls={"torch_steps": 2})
+    log = train_mod._ResultLog(log_path, "abc")
+    log.append(result)
+    with open(log_path, "a") as f:
+        f.write('{"tokens": [1')  # a result line cut by a crash
+    (loaded,) = train_mod._ResultLog(log_path, "abc").load()
+    assert torch.equal(loaded.tokens, result.tokens) and loaded.accepted_lengths == [1]
+    assert loaded.draft_calls == {"torch_steps": 2}
+    assert train_mod._ResultLog(log_path, "other").load() == []  # other settings: start over
