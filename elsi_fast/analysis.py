@@ -592,7 +592,7 @@ def _set_matrices(
     """
     m = len(keys[0])
     gram_side = _gram_side(m, n, w, gram)
-    side = n if gram_side else m * w
+    side = _solve_side(m, gram, n, w)
     counts = want.sum(1)
     out = torch.empty(int(counts.sum()), side, side, dtype=torch.float64)
     start = 0
