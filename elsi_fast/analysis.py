@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from .streaming import MinibatchHSIC, StreamingCovariance
 DEFAULT_MIN_TOKEN_ENTROPY = 0.5
 _STATE_VERSION = 2
 # Elements of the factors read back at once for exact set entropies (64 MiB in float64).
-_READ_BLOCK_ELEMS = 1 << 23
+_READ_BLOCK_ELEMS = 1 << 21
 _EIG_SLICE = 32
 # Bytes of per-prompt Gram blocks kept for reuse by the set searches (bounded: independent of P).
 _PRODUCT_CACHE_BYTES = 512 << 20
@@ -443,8 +444,9 @@ class PromptGrams:
         for group in groups:
             group_want = want[[row_of[k] for k in group]]
             matrices = _set_matrices(products, group, group_want, n, w, gram)
+            uplo = "L" if _gram_side(len(group[0]), n, w, gram) else "U"
             # torch's batched CPU eigvalsh slows down superlinearly with the batch: slices.
-            eigvals = torch.cat([torch.linalg.eigvalsh(part) for part in matrices.split(_EIG_SLICE)])
+            eigvals = torch.cat([torch.linalg.eigvalsh(part, UPLO=uplo) for part in matrices.split(_EIG_SLICE)])
             # Vectors stored in `dtype` give an exactly PSD sum; Grams rounded to `dtype` entry by
             # entry move eigenvalues by up to about n eps(dtype) max|K| (clipped as round-off).
             rtol = 10 * matrices.shape[-1] * torch.finfo(self.dtype if gram else torch.float64).eps
@@ -459,26 +461,40 @@ class PromptGrams:
         (a, b), a <= b, the block Z_a^T Z_b of stored vectors; (a, -1) the Gram K_a (stored, or
         Z_a Z_a^T). Taken from the product cache where there, else computed from the factors
         (read only for the layers missing) and cached: the searches' sets share most layers and
-        pairs, within a search and across searches."""
+        pairs, within a search and across searches. The blocks of one layer a are one GEMM,
+        Z_a^T [Z_b ...], over the layers read side by side: small GEMMs run at half the speed."""
         found = {p: [self._products.get((i, *p)) for i in chunk] for p in needed}
-        missing = {p: [j for j, e in enumerate(entries) if e is None] for p, entries in found.items()}
-        layers = sorted({a for p, rows in missing.items() if rows for a in p if a >= 0})
-        if layers:
-            factors = self._read(chunk, layers)
+        missing = {p: [j for j, e in enumerate(entries) if e is None] for p, entries in found.items() if None in entries}
+        if missing:
+            layers = sorted({a for p in missing for a in p if a >= 0})
+            factors = self._read(chunk, layers)  # [c, k, n, w]
             at = {a: i for i, a in enumerate(layers)}
-            for p, rows in missing.items():
-                if not rows:
-                    continue
+            by_row: dict[tuple[int, bool], list[tuple[int, int]]] = collections.defaultdict(list)
+            for p in missing:
+                by_row[p[0], p[1] < 0].append(p)
+            for (a, _), pairs in by_row.items():
+                rows = sorted({j for p in pairs for j in missing[p]})
                 pick = slice(None) if len(rows) == len(chunk) else torch.tensor(rows)
-                z = factors[pick, at[p[0]]]
-                if p[1] >= 0:
-                    value = z.transpose(-2, -1) @ factors[pick, at[p[1]]]
+                z = factors[pick, at[a]]
+                if pairs[0][1] < 0:  # (a, -1): one Gram per layer
+                    value = {pairs[0]: z if gram else z @ z.transpose(-2, -1)}
                 else:
-                    value = z if gram else z @ z.transpose(-2, -1)
-                for j, v in zip(rows, value):
-                    found[p][j] = v.clone()  # not a view: the cache counts what it holds
-                    self._products.put((chunk[j], *p), found[p][j])
-        return {p: torch.stack(entries) for p, entries in found.items()}
+                    value, w = {}, factors.shape[-1]
+                    # Stored vectors are read token-major: a run of consecutive layers side by side is one view.
+                    partners = sorted(at[b] for _, b in pairs)
+                    for _, run in itertools.groupby(enumerate(partners), key=lambda x: x[1] - x[0]):
+                        first, last = (run := list(run))[0][1], run[-1][1]
+                        side_by_side = factors[pick, first : last + 1].transpose(1, 2).flatten(-2)
+                        block = z.transpose(-2, -1) @ side_by_side  # [c, w, (last - first + 1) w]
+                        value.update({(a, layers[b]): block[..., (b - first) * w : (b - first + 1) * w] for _, b in run})
+                for p, v in value.items():
+                    for j, entry in zip(rows, v):
+                        if found[p][j] is None:
+                            found[p][j] = entry.clone()  # not a view: the cache counts what it holds
+                            self._products.put((chunk[j], *p), found[p][j])
+                    if len(missing[p]) == len(chunk):  # all computed here: no need to stack the clones
+                        found[p] = v
+        return {p: entries if isinstance(entries, torch.Tensor) else torch.stack(entries) for p, entries in found.items()}
 
     def prompt_grams(self, i: int) -> torch.Tensor:
         """Grams K_a [L, n, n] float64 of the i-th added prompt, from the stored factors."""
@@ -521,20 +537,28 @@ class PromptGrams:
     def _read(self, chunk: list[int], layers: Sequence[int]) -> torch.Tensor:
         """The factors of `layers` (sorted) of the prompts in `chunk` (one padded shape) ->
         [len(chunk), len(layers), n, w] float64, zero-padded: zero rows add nothing to Z^T Z, zero
-        rows and columns of K add zero eigenvalues only."""
+        rows and columns of K add zero eigenvalues only. Stored vectors come back as a view of a
+        token-major [len(chunk), n, len(layers), w] tensor, so that the vectors of consecutive layers
+        of one token are side by side (one GEMM for the blocks of several layers). Only the layers
+        asked for are read, one positioned read per run of consecutive layers."""
+        gram = self._is_gram(chunk[0])
         n_pad = self._padded_tokens(chunk[0])
-        w_pad = n_pad if self._is_gram(chunk[0]) else self.dim
-        out = torch.empty(len(chunk), len(layers), n_pad, w_pad, dtype=torch.float64)
-        first, span = layers[0], layers[-1] + 1 - layers[0]
-        # A contiguous run of layers is read as it lies; other sets of layers are picked from their span.
-        pick = slice(None) if span == len(layers) else [a - first for a in layers]
+        w_pad = n_pad if gram else self.dim
+        if gram:
+            out = torch.empty(len(chunk), len(layers), n_pad, w_pad, dtype=torch.float64)
+        else:
+            out = torch.empty(len(chunk), n_pad, len(layers), w_pad, dtype=torch.float64).transpose(1, 2)
+        runs = [list(run) for _, run in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0])]
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
-            data = torch.empty(span, n, w, dtype=self.dtype)
+            data = torch.empty(len(layers), n, w, dtype=self.dtype)
             layer_bytes = n * w * data.element_size()
-            if os.preadv(self._file.fileno(), [data.numpy()], self.offset[i] + first * layer_bytes) != data.nbytes:
-                raise OSError(f"{self.path or 'the prompt-mode factor file'}: shorter than its index (truncated?)")
-            out[row, :, :n, :w] = data[pick]
+            for run in runs:
+                (start, first), end = run[0], run[-1][0] + 1
+                part = data[start:end].numpy()
+                if os.preadv(self._file.fileno(), [part], self.offset[i] + first * layer_bytes) != part.nbytes:
+                    raise OSError(f"{self.path or 'the prompt-mode factor file'}: shorter than its index (truncated?)")
+            out[row, :, :n, :w] = data
             out[row, :, n:].zero_()
             out[row, :, :n, w:].zero_()
         return out
@@ -586,9 +610,9 @@ def _set_matrices(
 ) -> torch.Tensor:
     """Per set S of `keys` (sorted layers, all of one size m) and prompt r with want[S, r], in that
     order, a matrix whose nonzero spectrum is that of K_S = sum_{a in S} K_a -> [want.sum(), k, k],
-    lower triangles only (what eigvalsh reads), from the chunk's `products` (see
-    PromptGrams._products_of): on the Gram side sum_a K_a; else [Z_a]^T [Z_a], assembled from the
-    blocks Z_a^T Z_b.
+    from the chunk's `products` (see PromptGrams._products_of): on the Gram side sum_a K_a (lower
+    triangle read: stored Grams are symmetric only up to rounding); else [Z_a]^T [Z_a], its upper
+    triangle only, assembled from the blocks Z_a^T Z_b, a <= b, as they are stored (no transposes).
     """
     m = len(keys[0])
     gram_side = _gram_side(m, n, w, gram)
@@ -601,11 +625,13 @@ def _set_matrices(
         target = out[start : start + count]
         start += count
         if gram_side:
-            target.copy_(sum(products[a, -1][rows] for a in key))
+            target.copy_(products[key[0], -1][rows])
+            for a in key[1:]:
+                target += products[a, -1][rows]
             continue
         for i, a in enumerate(key):
-            for j, b in enumerate(key[: i + 1]):  # block (i, j), j <= i: Z_a^T Z_b = (Z_b^T Z_a)^T
-                target[:, i * w : (i + 1) * w, j * w : (j + 1) * w] = products[b, a][rows].transpose(-2, -1)
+            for j, b in enumerate(key[i:], i):  # block (i, j), i <= j: Z_a^T Z_b
+                target[:, i * w : (i + 1) * w, j * w : (j + 1) * w] = products[a, b][rows]
     return out
 
 

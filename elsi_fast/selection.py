@@ -28,7 +28,7 @@ SetFunction = Callable[[Sequence[tuple[int, ...]]], np.ndarray]
 TIE_RTOL = 1e-12
 # Sets per round of a screened search's first stage, and its first prompt sample.
 _SCREEN_ROUND = 8
-_FIRST_SAMPLE = 16
+_FIRST_SAMPLE = 8
 
 
 @dataclass
@@ -60,8 +60,10 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     from exact values on a random sample of prompts (a control variate): est(S) = mean surrogate(S)
     + sample mean of (exact - surrogate)(S), with standard error se(S) (finite-population corrected).
     1. Sets are taken in order of their mean surrogate, _SCREEN_ROUND at a time, and estimated on
-       the first sample; taking stops when the next set's mean surrogate plus the largest error
-       seen (+ its spread and z se) cannot reach the leader's lower bound est - z se.
+       the first sample; taking stops when the chance that any set not yet taken reaches the
+       leader's lower bound est - z se is below the normal tail at z, with the corrections of the
+       sets not taken modelled as normal around the largest correction seen (see
+       _chance_any_reaches).
     2. Racing on paired differences: each set is compared with the leader on the same prompts.
        The difference of their exact values is estimated with the difference of their surrogates
        as control variate, its coefficient fitted on the sample (ordinary least squares), and the
@@ -108,12 +110,11 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
         batch = [int(i) for i in order[start : start + _SCREEN_ROUND]]
         run(batch, size)
         alive += batch
-        if math.isinf(objective.z):
+        unseen = order[start + _SCREEN_ROUND :]
+        if math.isinf(objective.z) or len(unseen) == 0:
             continue
         lower = np.max(estimate[alive] - objective.z * error[alive])
-        correction = estimate[alive] - approx[alive]
-        reach = correction.max() + np.ptp(correction) + objective.z * error[alive].max()
-        if start + _SCREEN_ROUND < len(order) and approx[order[start + _SCREEN_ROUND]] + reach < lower:
+        if _chance_any_reaches(lower - approx[unseen], estimate[alive] - approx[alive], error[alive]) < _tail(objective.z):
             break
     while size < num_prompts:
         leader = alive[int(np.argmax(estimate[alive]))]
@@ -125,6 +126,24 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     alive.sort()  # ties go to the first in `sets`
     pick = alive[_first_best(estimate[alive])]
     return pick, float(sign * estimate[pick])
+
+
+def _tail(z: float) -> float:
+    """P(X > z) for a standard normal X."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _chance_any_reaches(needed: np.ndarray, corrections: np.ndarray, errors: np.ndarray) -> float:
+    """Union bound on the chance that some set not yet evaluated has a correction (exact -
+    surrogate) of at least `needed` (one entry per set), with corrections modelled as normal around
+    the largest one seen, with the spread of those seen plus their largest standard error.
+    Centred on the largest, not the mean: sets ranked lower by the surrogate tend to have larger
+    corrections than the top ones evaluated first (the surrogate's errors regress to the mean)."""
+    spread = math.sqrt((corrections.var(ddof=1) if len(corrections) > 1 else 0.0) + float(errors.max()) ** 2)
+    gap = needed - corrections.max()
+    if spread == 0:
+        return float(np.any(gap <= 0))
+    return float(sum(_tail(g) for g in gap / spread))
 
 
 def _standard_error(samples: np.ndarray, population: int) -> np.ndarray:
