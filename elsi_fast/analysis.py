@@ -463,9 +463,11 @@ class PromptGrams:
         (read only for the layers missing) and cached: the searches' sets share most layers and
         pairs, within a search and across searches. The blocks of one layer a are one GEMM,
         Z_a^T [Z_b ...], over the layers read side by side: small GEMMs run at half the speed."""
-        found = {p: [self._products.get((i, *p)) for i in chunk] for p in needed}
-        missing = {p: [j for j, e in enumerate(entries) if e is None] for p, entries in found.items() if None in entries}
+        found = {p: self._products.get_many([(i, *p) for i in chunk]) for p in needed}
+        missing = {p: [j for j, e in enumerate(entries) if e is None] for p, entries in found.items()}
+        missing = {p: rows for p, rows in missing.items() if rows}
         if missing:
+            computed = []
             layers = sorted({a for p in missing for a in p if a >= 0})
             factors = self._read(chunk, layers)  # [c, k, n, w]
             at = {a: i for i, a in enumerate(layers)}
@@ -491,9 +493,10 @@ class PromptGrams:
                     for j, entry in zip(rows, v):
                         if found[p][j] is None:
                             found[p][j] = entry.clone()  # not a view: the cache counts what it holds
-                            self._products.put((chunk[j], *p), found[p][j])
+                            computed.append(((chunk[j], *p), found[p][j]))
                     if len(missing[p]) == len(chunk):  # all computed here: no need to stack the clones
                         found[p] = v
+            self._products.put_many(computed)
         return {p: entries if isinstance(entries, torch.Tensor) else torch.stack(entries) for p, entries in found.items()}
 
     def prompt_grams(self, i: int) -> torch.Tensor:
@@ -645,20 +648,24 @@ class _ProductCache:
         self._entries: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple) -> torch.Tensor | None:
+    def get_many(self, keys: list[tuple]) -> list[torch.Tensor | None]:
+        """The cached value of each key (None where absent); the ones found become most recent."""
         with self._lock:
-            value = self._entries.get(key)
-            if value is not None:
-                self._entries.move_to_end(key)
-            return value
+            values = [self._entries.get(key) for key in keys]
+            for key, value in zip(keys, values):
+                if value is not None:
+                    self._entries.move_to_end(key)
+            return values
 
-    def put(self, key: tuple, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
+    def put_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
+        """Add (key, value) pairs, dropping the least recently used entries beyond the limit."""
         with self._lock:
-            if key in self._entries or size > self.limit:
-                return
-            self._entries[key] = value
-            self.bytes += size
+            for key, value in items:
+                size = value.numel() * value.element_size()
+                if key in self._entries or size > self.limit:
+                    continue
+                self._entries[key] = value
+                self.bytes += size
             while self.bytes > self.limit:
                 _, old = self._entries.popitem(last=False)
                 self.bytes -= old.numel() * old.element_size()
