@@ -378,13 +378,15 @@ class PromptGrams:
         return self._by_size(sets, lambda part: self._renyi2_terms(part)[0].mean(0, keepdims=True), 1)[0]
 
     def surrogate(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """Cheap per-prompt estimates of H1(K_S): H2(K_S) + sum_a w_a (H1(K_a) - H2(K_a)) -> [P, len(sets)].
+        """Cheap per-prompt estimates of H1(K_S): H2(K_S) + sum_a w_a (H1(K_a) - H2(K_a)), as its two
+        terms -> [2, P, len(sets)] (the screened searches use each as a control variate).
 
         Exact for one layer, for layers with identical Grams and for layers with orthogonal Grams of
         equal trace and purity (H1(K_S) = log |S| + mean H1(K_a)); in between its error varies
         smoothly across prompts, which makes it a good control variate for the screened searches.
         """
-        return self._by_size(sets, lambda part: sum(self._renyi2_terms(part)), len(self))
+        both = self._by_size(sets, lambda part: np.concatenate(self._renyi2_terms(part)), 2 * len(self))
+        return both.reshape(2, len(self), len(sets))
 
     def set_entropy(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
         """Mean over prompts of H1(sum_{a in S} K_a) for each set S -> [len(sets)] float64, exact.

@@ -29,6 +29,9 @@ TIE_RTOL = 1e-12
 # Sets per round of a screened search's first stage, and its first prompt sample.
 _SCREEN_ROUND = 8
 _FIRST_SAMPLE = 8
+# Sample size from which each surrogate term is a control variate of its own in the race: fitting
+# k coefficients on fewer prompts would understate the standard errors.
+_MULTI_TERM_SAMPLE = 32
 
 
 @dataclass
@@ -37,8 +40,10 @@ class ScreenedObjective:
 
     values(sets, prompts) -> [len(prompts), len(sets)]: the exact per-prompt values of the given
     prompt positions (0..num_prompts-1); surrogate(sets) -> [num_prompts, len(sets)]: cheap
-    approximations whose errors vary little across prompts. Calling the object gives the exact
-    means. z: width, in standard errors, of the screen's confidence intervals (inf: exhaustive).
+    approximations whose errors vary little across prompts, or [k, num_prompts, len(sets)]: k terms
+    whose sum is that approximation, each a control variate of its own in the race (see
+    screened_best). Calling the object gives the exact means. z: width, in standard errors, of the
+    screen's confidence intervals (inf: exhaustive).
     """
 
     values: Callable[[Sequence[tuple[int, ...]], np.ndarray], np.ndarray]
@@ -65,16 +70,20 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
        sets not taken modelled as normal around the largest correction seen (see
        _chance_any_reaches).
     2. Racing on paired differences: each set is compared with the leader on the same prompts.
-       The difference of their exact values is estimated with the difference of their surrogates
-       as control variate, its coefficient fitted on the sample (ordinary least squares), and the
-       set is dropped when that estimate + z se < 0. Sets that share layers have errors that move
-       together across prompts, so their difference is known far better than either value. The
-       sample doubles until it holds every prompt; the survivors' values are then exact.
+       The difference of their exact values is estimated by regression on the differences of the
+       surrogate's terms (control variates, coefficients fitted on the sample by least squares;
+       from _MULTI_TERM_SAMPLE prompts on, each term has its own coefficient, before that their
+       sum has one), and the set is dropped when that estimate + z se < 0. Sets that share layers
+       have errors that move together across prompts, so their difference is known far better
+       than either value. The sample doubles until it holds every prompt; the survivors' values
+       are then exact.
     This is a screen, not a bound: tests compare its picks with brute force, including planted ties.
     """
     sign = 1.0 if maximize else -1.0
     num_prompts = objective.num_prompts
-    per_prompt = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)  # [P, N]
+    terms = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)
+    terms = terms[None] if terms.ndim == 2 else terms  # [k, P, N]
+    per_prompt = terms.sum(0)  # [P, N]
     approx = per_prompt.mean(0)
     order = np.argsort(-approx, kind="stable")
     permutation = np.random.default_rng(len(sets)).permutation(num_prompts)
@@ -94,15 +103,14 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
         residuals.update(zip(indices, residual.T))
 
     def beaten(i: int, leader: int) -> bool:
-        sample = permutation[: len(residuals[i])]
-        cheap = per_prompt[sample, i] - per_prompt[sample, leader]
-        exact = residuals[i] - residuals[leader] + cheap
-        # The control variate's coefficient fitted on the sample (1 would be the plain difference).
-        spread = cheap.var()
-        beta = 0.0 if spread == 0 else float(np.mean((exact - exact.mean()) * (cheap - cheap.mean())) / spread)
-        corrected = exact - beta * cheap
-        gap = beta * (approx[i] - approx[leader]) + corrected.mean()
-        return gap + objective.z * _standard_error(corrected[:, None], num_prompts)[0] < 0
+        size = len(residuals[i])
+        sample = permutation[:size]
+        exact = residuals[i] - residuals[leader] + per_prompt[sample, i] - per_prompt[sample, leader]
+        used = terms if size >= _MULTI_TERM_SAMPLE else per_prompt[None]
+        cheap = used[:, sample, i] - used[:, sample, leader]  # [k, s]
+        population = used[:, :, i].mean(1) - used[:, :, leader].mean(1)  # [k]
+        gap, error = _regression_estimate(exact, cheap, population, num_prompts)
+        return gap + objective.z * error < 0
 
     size = num_prompts if math.isinf(objective.z) else min(num_prompts, _FIRST_SAMPLE)
     alive: list[int] = []
@@ -126,6 +134,23 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     alive.sort()  # ties go to the first in `sets`
     pick = alive[_first_best(estimate[alive])]
     return pick, float(sign * estimate[pick])
+
+
+def _regression_estimate(y: np.ndarray, x: np.ndarray, x_mean: np.ndarray, population: int) -> tuple[float, float]:
+    """(estimate, standard error) of the population mean of y from a sample y [s] drawn without
+    replacement, with control variates x [k, s] whose population means x_mean [k] are known:
+    mean(y) - beta (mean(x) - x_mean), beta fitted by least squares on the sample; the standard
+    error counts the k + 1 fitted parameters and is finite-population corrected."""
+    size, k = len(y), x.shape[0]
+    centered_x = (x - x.mean(1, keepdims=True)).T  # [s, k]
+    centered_y = y - y.mean()
+    beta = np.linalg.lstsq(centered_x, centered_y, rcond=None)[0]
+    estimate = float(y.mean() - beta @ (x.mean(1) - x_mean))
+    if size <= k + 1:
+        return estimate, math.inf
+    residual = centered_y - centered_x @ beta
+    variance = float(residual @ residual) / (size - k - 1)
+    return estimate, math.sqrt(variance / size * (1 - size / population))
 
 
 def _tail(z: float) -> float:
@@ -385,10 +410,15 @@ def cka_penalized(f: SetFunction, cka: np.ndarray, beta: float) -> SetFunction:
         )
 
     if isinstance(f, ScreenedObjective):
+
+        def surrogate(sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+            terms = np.array(f.surrogate(sets), dtype=np.float64)
+            (terms[0] if terms.ndim == 3 else terms)[...] -= penalty(sets)  # once, on the first term
+            return terms
+
         return ScreenedObjective(
             lambda sets, prompts: np.asarray(f.values(sets, prompts), dtype=np.float64) - penalty(sets),
-            lambda sets: np.asarray(f.surrogate(sets), dtype=np.float64) - penalty(sets),
-            f.num_prompts, f.z, f.counts,
+            surrogate, f.num_prompts, f.z, f.counts,
         )
     return lambda sets: np.asarray(f(sets), dtype=np.float64) - penalty(sets)
 

@@ -188,3 +188,70 @@ def test_screen_with_infinite_z_is_exhaustive():
     objective.surrogate = lambda sets: -np.stack([np.full(30, table[tuple(s)]) for s in sets], 1)
     assert sel.screened_best(objective, list(table)) == (19, pytest.approx(19.0))
     assert objective.counts["evaluated"] == 20
+
+
+def test_regression_estimate_known_answers():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 40))
+    # y exactly linear in the control variates: the estimate is the population mean, error 0.
+    y = 1.5 + 2.0 * x[0] - 3.0 * x[1]
+    x_mean = np.array([0.3, -0.2])
+    estimate, error = sel._regression_estimate(y, x, x_mean, population=100)
+    assert estimate == pytest.approx(1.5 + 2.0 * 0.3 - 3.0 * -0.2, abs=1e-12)
+    assert error == pytest.approx(0.0, abs=1e-12)
+    # Against the normal equations of y = a + x^T b (intercept + 2 slopes) in float64.
+    y = y + rng.normal(0, 0.1, 40)
+    design = np.column_stack([np.ones(40), x.T])
+    coef = np.linalg.solve(design.T @ design, design.T @ y)
+    residual = y - design @ coef
+    estimate, error = sel._regression_estimate(y, x, x_mean, population=100)
+    assert estimate == pytest.approx(coef[0] + coef[1:] @ x_mean, abs=1e-12)
+    assert error == pytest.approx(np.sqrt(residual @ residual / (40 - 3) / 40 * (1 - 40 / 100)), rel=1e-12)
+    # No degrees of freedom left: the error is unknown, not zero.
+    assert sel._regression_estimate(y[:3], x[:, :3], x_mean, population=100)[1] == np.inf
+
+
+def test_regression_estimate_covers_the_population_mean():
+    # Samples without replacement from one finite population: the z=2 intervals must cover its mean
+    # about 95% of the time, and the control variates must shrink them well below the plain mean's.
+    rng = np.random.default_rng(1)
+    population = 400
+    x = rng.normal(size=(2, population))
+    y = 0.7 * x[0] + 0.2 * x[1] + rng.standard_t(5, population) * 0.3
+    covered, widths, plain = 0, [], []
+    for _ in range(2000):
+        sample = rng.choice(population, 64, replace=False)
+        estimate, error = sel._regression_estimate(y[sample], x[:, sample], x.mean(1), population)
+        covered += abs(estimate - y.mean()) <= 2 * error
+        widths.append(error)
+        plain.append(sel._standard_error(y[sample, None], population)[0])
+    assert 0.93 <= covered / 2000 <= 0.97
+    assert np.mean(widths) < 0.5 * np.mean(plain)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_screen_with_surrogate_terms_equals_brute_force(seed):
+    # The surrogate split in two terms, each off in its own way across prompts: the race fits one
+    # coefficient per term. Picks and values must still be brute force's.
+    rng = np.random.default_rng(seed)
+    table = {s: rng.normal(0, 0.2) for r in (1, 2) for s in itertools.combinations(range(10), r)}
+    objective, plain = _prompt_objective(table, 300, noise=0.05, seed=seed)
+    single = objective.surrogate
+    drift = {k: rng.normal(0, 0.05, 300) for k in table}
+    scale = {k: rng.uniform(0.5, 1.5) for k in table}
+
+    def terms(sets):
+        whole = single(sets)
+        second = np.stack([scale[tuple(s)] * drift[tuple(s)] for s in sets], 1)
+        return np.stack([whole - second, second])
+
+    objective.surrogate = terms
+    for m in (1, 2):
+        for maximize in (True, False):
+            screened = sel.exhaustive_select(objective, range(10), m, maximize=maximize)
+            brute = sel.exhaustive_select(plain, range(10), m, maximize=maximize)
+            assert screened.layers == brute.layers
+            assert screened.value == pytest.approx(brute.value, abs=1e-12)
+    penalized = sel.cka_penalized(objective, np.full((10, 10), 0.5), beta=2.0)
+    sets = [(0, 1), (2, 5), (3,)]
+    np.testing.assert_allclose(penalized.surrogate(sets).sum(0), terms(sets).sum(0) - np.array([1.0, 1.0, 0.0]), atol=1e-12)
