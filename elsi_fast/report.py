@@ -232,7 +232,7 @@ class LayerReport:
         if "sets_screened" in self.timing:
             lines.append(
                 f"set searches: {self.timing['sets_screened']} candidate sets screened on prompt samples "
-                f"(Renyi-2 control variate, z={self.options.get('screen_z')}), {self.timing['sets_evaluated_exactly']} "
+                f"(Renyi-2 control variates, z={self.options.get('screen_z')}), {self.timing['sets_evaluated_exactly']} "
                 f"evaluated on every prompt; {self.timing['prompt_set_eigensolves']} (set, prompt) eigensolves"
             )
         lines.append("")
