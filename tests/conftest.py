@@ -1,4 +1,5 @@
 import os
+import signal
 
 # Triton kernels run on CPU tensors only through the interpreter, and the switch must be set before
 # any @triton.jit decorator runs. A machine with CUDA runs the real kernels instead.
@@ -35,3 +36,12 @@ def shared_data() -> str:
     if not os.path.isdir(SHARED_DATA):
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True, scope="session")
+def python_ctrl_c_handler():
+    """Python's own Ctrl-C handler, as in a terminal: a shell starts background jobs with SIGINT
+    ignored, and Python then keeps it ignored, so the tests that send Ctrl-C would test nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
