@@ -553,19 +553,23 @@ class PromptGrams:
             out = torch.empty(len(chunk), len(layers), n_pad, w_pad, dtype=torch.float64)
         else:
             out = torch.empty(len(chunk), n_pad, len(layers), w_pad, dtype=torch.float64).transpose(1, 2)
-        runs = [list(run) for _, run in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0])]
+        runs = [(run[0][0], run[0][1], len(run)) for _, g in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0])
+                for run in [list(g)]]  # (position in `layers`, first layer, length)
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        staging = torch.empty(len(layers) * n_pad * w_pad, dtype=self.dtype)  # one buffer for every prompt
+        flat = staging.numpy().view(np.uint8)
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
-            data = torch.empty(len(layers), n, w, dtype=self.dtype)
-            layer_bytes = n * w * data.element_size()
-            for run in runs:
-                (start, first), end = run[0], run[-1][0] + 1
-                part = data[start:end].numpy()
+            layer_bytes = n * w * itemsize
+            for start, first, length in runs:
+                part = flat[start * layer_bytes : (start + length) * layer_bytes]
                 if os.preadv(self._file.fileno(), [part], self.offset[i] + first * layer_bytes) != part.nbytes:
                     raise OSError(f"{self.path or 'the prompt-mode factor file'}: shorter than its index (truncated?)")
-            out[row, :, :n, :w] = data
-            out[row, :, n:].zero_()
-            out[row, :, :n, w:].zero_()
+            out[row, :, :n, :w] = staging[: len(layers) * n * w].view(len(layers), n, w)
+            if n < n_pad:
+                out[row, :, n:].zero_()
+            if w < w_pad:
+                out[row, :, :n, w:].zero_()
         return out
 
 
