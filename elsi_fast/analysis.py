@@ -52,7 +52,8 @@ from .streaming import MinibatchHSIC, StreamingCovariance
 # without the filter, so a model where filtering hurts is visible (then pass 0).
 DEFAULT_MIN_TOKEN_ENTROPY = 0.5
 _STATE_VERSION = 2
-# Elements of the factors read back at once for exact set entropies (64 MiB in float64).
+# Elements of the factors read back at once for exact set entropies (16 MiB in float64: below
+# glibc's largest mmap threshold, so the buffers are reused instead of faulted in afresh).
 _READ_BLOCK_ELEMS = 1 << 21
 _EIG_SLICE = 32
 # Bytes of per-prompt Gram blocks kept for reuse by the set searches (bounded: independent of P).
@@ -436,7 +437,7 @@ class PromptGrams:
         groups = list(_key_groups(keys, len(chunk) * w * w))
         needed = set()
         for group in groups:
-            if _gram_side(len(group[0]), n, w, gram):
+            if _gram_side(len(group[0]), gram, n, w):
                 needed |= {(a, -1) for key in group for a in key}
             else:
                 needed |= {(b, a) for key in group for i, a in enumerate(key) for b in key[: i + 1]}
@@ -446,7 +447,7 @@ class PromptGrams:
         for group in groups:
             group_want = want[[row_of[k] for k in group]]
             matrices = _set_matrices(products, group, group_want, n, w, gram)
-            uplo = "L" if _gram_side(len(group[0]), n, w, gram) else "U"
+            uplo = "L" if _gram_side(len(group[0]), gram, n, w) else "U"
             # torch's batched CPU eigvalsh slows down superlinearly with the batch: slices.
             eigvals = torch.cat([torch.linalg.eigvalsh(part, UPLO=uplo) for part in matrices.split(_EIG_SLICE)])
             # Vectors stored in `dtype` give an exactly PSD sum; Grams rounded to `dtype` entry by
@@ -555,12 +556,11 @@ class PromptGrams:
             out = torch.empty(len(chunk), n_pad, len(layers), w_pad, dtype=torch.float64).transpose(1, 2)
         runs = [(run[0][0], run[0][1], len(run)) for _, g in itertools.groupby(enumerate(layers), key=lambda x: x[1] - x[0])
                 for run in [list(g)]]  # (position in `layers`, first layer, length)
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
         staging = torch.empty(len(layers) * n_pad * w_pad, dtype=self.dtype)  # one buffer for every prompt
         flat = staging.numpy().view(np.uint8)
         for row, i in enumerate(chunk):
             n, w = self.tokens[i], self.width[i]
-            layer_bytes = n * w * itemsize
+            layer_bytes = n * w * staging.element_size()
             for start, first, length in runs:
                 part = flat[start * layer_bytes : (start + length) * layer_bytes]
                 if os.preadv(self._file.fileno(), [part], self.offset[i] + first * layer_bytes) != part.nbytes:
@@ -603,7 +603,7 @@ def _key_groups(keys: list[tuple[int, ...]], elements_per_key: int):
             yield same[start : start + step]
 
 
-def _gram_side(m: int, n: int, w: int, gram: bool) -> bool:
+def _gram_side(m: int, gram: bool, n: int, w: int) -> bool:
     """Whether the spectrum of a set of m layers is solved on the n x n Gram side (stored Grams,
     or m w > n), else on the m w x m w side of the concatenated vectors."""
     return gram or m * w > n
@@ -611,7 +611,7 @@ def _gram_side(m: int, n: int, w: int, gram: bool) -> bool:
 
 def _solve_side(m: int, gram: bool, n: int, w: int) -> int:
     """Side of the matrix solved for a set of m layers (see _gram_side)."""
-    return n if _gram_side(m, n, w, gram) else m * w
+    return n if _gram_side(m, gram, n, w) else m * w
 
 
 def _set_matrices(
@@ -624,7 +624,7 @@ def _set_matrices(
     triangle only, assembled from the blocks Z_a^T Z_b, a <= b, as they are stored (no transposes).
     """
     m = len(keys[0])
-    gram_side = _gram_side(m, n, w, gram)
+    gram_side = _gram_side(m, gram, n, w)
     side = _solve_side(m, gram, n, w)
     counts = want.sum(1)
     out = torch.empty(int(counts.sum()), side, side, dtype=torch.float64)
