@@ -86,6 +86,11 @@ def screened_best(objective: ScreenedObjective, sets: Sequence[tuple[int, ...]],
     num_prompts = objective.num_prompts
     terms = sign * np.asarray(objective.surrogate(sets), dtype=np.float64)
     terms = terms[None] if terms.ndim == 2 else terms  # [k, P, N]
+    if terms.ndim != 3 or terms.shape[1:] != (num_prompts, len(sets)) or not np.all(np.isfinite(terms)):
+        raise ValueError(
+            f"surrogate: expected finite values of shape [{num_prompts}, {len(sets)}] or [k, {num_prompts}, "
+            f"{len(sets)}] (prompts, sets), got shape {terms.shape}"
+        )
     per_prompt = terms.sum(0)  # [P, N]
     approx = per_prompt.mean(0)
     order = np.argsort(-approx, kind="stable")

@@ -255,3 +255,15 @@ def test_screen_with_surrogate_terms_equals_brute_force(seed):
     penalized = sel.cka_penalized(objective, np.full((10, 10), 0.5), beta=2.0)
     sets = [(0, 1), (2, 5), (3,)]
     np.testing.assert_allclose(penalized.surrogate(sets).sum(0), terms(sets).sum(0) - np.array([1.0, 1.0, 0.0]), atol=1e-12)
+
+
+def test_screen_rejects_a_surrogate_of_the_wrong_shape_or_with_nan():
+    table = {(i,): float(i) for i in range(4)}
+    objective, _ = _prompt_objective(table, 20, noise=0.0, seed=0)
+    good = objective.surrogate
+    objective.surrogate = lambda sets: good(sets)[:5]  # 5 prompts, not 20
+    with pytest.raises(ValueError, match=r"surrogate: expected .*\[20, 4\].*got shape \(1, 5, 4\)"):
+        sel.screened_best(objective, list(table))
+    objective.surrogate = lambda sets: np.where(np.eye(20, 4, dtype=bool), np.nan, good(sets))
+    with pytest.raises(ValueError, match="surrogate: expected finite"):
+        sel.screened_best(objective, list(table))
