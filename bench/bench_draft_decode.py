@@ -159,16 +159,15 @@ def dynamic_int8(draft: Eagle3Draft) -> Eagle3Draft:
                                                  dtype=torch.qint8))
 
 
-def torch_step(draft: Eagle3Draft, dtype: torch.dtype, use_native: bool = False) -> Callable[[], object]:
-    """One target-fed `draft.decode_step` at position CONTEXT of a prefilled cache: the torch path,
-    or with `use_native` the native op on the module's own row-major weights."""
+def torch_step(draft: Eagle3Draft, dtype: torch.dtype) -> Callable[[], object]:
+    """One target-fed `draft.decode_step` (torch) at position CONTEXT of a prefilled cache."""
     cache = prefilled_cache(draft, "cpu", dtype)
     aux = torch.randn(1, 1, draft.config.fc_in_features).to(dtype)
     token = torch.tensor([[7]])
 
     def step():
         cache.length = CONTEXT
-        return draft.decode_step(aux, token, cache, from_target=True, use_native=use_native)
+        return draft.decode_step(aux, token, cache, from_target=True)
 
     return step
 
@@ -230,8 +229,8 @@ def bench_cpu(shape_names: list[str], reps: int) -> None:
         bf16_draft = copy.deepcopy(draft).to(torch.bfloat16)
         fns["compile_bf16"] = compiled(torch_step(bf16_draft, torch.bfloat16))
         # the same kernels on row-major weights: what packing the weights buys
-        fns["native_rowmajor_fp32"] = torch_step(draft, torch.float32, use_native=True)
-        fns["native_rowmajor_bf16"] = torch_step(bf16_draft, torch.bfloat16, use_native=True)
+        fns["native_rowmajor_fp32"] = native_step(native.NativeDraftDecoder(draft, "fp32", CONTEXT + 1, packed=False))
+        fns["native_rowmajor_bf16"] = native_step(native.NativeDraftDecoder(draft, "bf16", CONTEXT + 1, packed=False))
         fns["quantize_dynamic_int8"] = torch_step(dynamic_int8(draft), torch.float32)
         fns["weight_only_int8"] = torch_step(weight_only_int8(draft), torch.bfloat16)
         decoders = {f"native_{w}": native.NativeDraftDecoder(draft, w, max_len=CONTEXT + 1)
@@ -353,7 +352,7 @@ def bench_gpu(reps: int) -> None:
     params = dict(shape=name, context=CONTEXT, m=1, from_target=True, native=native.describe(device))
 
     def eager() -> None:
-        draft.decode_step(aux, token, cache, from_target=True, use_native=False)
+        draft.decode_step(aux, token, cache, from_target=True)
         cache.length = CONTEXT
 
     eager_s = time_fn(eager, warmup=3, reps=reps, device=device)
@@ -409,7 +408,7 @@ def bench_gpu(reps: int) -> None:
     cache.value[0, :, :CONTEXT] = decoder._v_cache[:, :CONTEXT].bfloat16()
     cache.length = CONTEXT
     ids, hidden = decoder.step(flat_aux, 7, from_target=True, top_k=4)
-    ref_ids, ref_hidden = draft.decode_step(aux, token, cache, from_target=True, top_k=4, use_native=False)
+    ref_ids, ref_hidden = draft.decode_step(aux, token, cache, from_target=True, top_k=4)
     err = float((hidden.float() - ref_hidden.flatten().float()).abs().max() / ref_hidden.float().abs().max())
     record(file, "draft_decode", "native_vs_eager_hidden_rel_err", err, "ratio", device=dev, params=row)
     record(file, "draft_decode", "native_vs_eager_top1_equal", float(ids[0] == ref_ids[0, 0]), "bool",

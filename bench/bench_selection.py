@@ -40,7 +40,8 @@ sys.path.insert(0, ROOT)
 
 from bench.common import device_name, record  # noqa: E402
 from elsi_fast import selection as sel  # noqa: E402
-from elsi_fast.analysis import PromptGrams  # noqa: E402
+from elsi_fast.prompt_store import PromptModeStore  # noqa: E402
+from elsi_fast.set_entropy import SetEntropySolver  # noqa: E402
 from elsi_fast.metrics import normalize_tokens, spectrum_entropy  # noqa: E402
 from elsi_fast.report import LayerReport  # noqa: E402
 
@@ -50,8 +51,8 @@ STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
 SPEC_BENCH = os.path.join(DATA, "prompts", "spec_bench_question.jsonl")
 
 
-class TodayPromptGrams:
-    """Today's prompt-mode store and set entropy (elsi_fast.analysis.PromptGrams at TODAY): per
+class TodayPromptStore:
+    """Today's prompt-mode store and set entropy (elsi_fast.analysis.PromptGrams at TODAY, now prompt_store.PromptModeStore + set_entropy.SetEntropySolver): per
     prompt the [L, g, g] fp16 Grams of at most 128 evenly spaced tokens, and per set one fp32
     eigensolve per prompt, 32 matrices per batched call."""
 
@@ -123,8 +124,8 @@ def run_synthetic(args) -> dict:
     torch.set_num_threads(args.threads)
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        store = PromptGrams(256, os.path.join(tmp, "factors"))
-        today = TodayPromptGrams() if args.today else None
+        store = PromptModeStore(256, os.path.join(tmp, "factors"))
+        today = TodayPromptStore() if args.today else None
         started = time.perf_counter()
         build_today = 0.0
         for i, z in enumerate(synthetic_vectors(args.layers, args.prompts)):
@@ -136,17 +137,18 @@ def run_synthetic(args) -> dict:
         out["store_build_seconds"] = time.perf_counter() - started - build_today
         out["store_file_bytes"] = store.nbytes
         out["store_ram_bytes"] = store.ram_bytes
-        _, trace, frob = store._stacked()
+        _, trace, frob = store.stacked()
         cka = (frob / np.sqrt(np.einsum("pii->pi", frob)[:, :, None] * np.einsum("pii->pi", frob)[:, None, :])).mean(0)
         rss_before = _peak_rss()
 
-        objective = sel.ScreenedObjective(store.prompt_set_entropy, store.surrogate, len(store))
-        report = _report(args.layers, cka, args.m, objective, store.renyi2_entropy)
+        solver = SetEntropySolver(store)
+        objective = sel.ScreenedObjective(solver.prompt_set_entropy, solver.surrogate, len(store))
+        report = _report(args.layers, cka, args.m, objective, solver.renyi2_entropy)
         started = time.perf_counter()
         report.compute_selections()
         out["selection_seconds"] = time.perf_counter() - started
         out["peak_rss_bytes"] = _peak_rss()
-        out["counts"] = {**objective.counts, "prompt_set_eigensolves": store.solves}
+        out["counts"] = {**objective.counts, "prompt_set_eigensolves": solver.solves}
         out["selections"] = report.selections
         out["set_values"] = report.set_values
         out["rss_before_selection_bytes"] = rss_before

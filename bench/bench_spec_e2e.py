@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_name, record  # noqa: E402
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native  # noqa: E402
-from elsi_fast.spec import SpecResult, _crop, _TargetRunner, speculative_generate  # noqa: E402
+from elsi_fast.speculative import SpecResult, _crop, _TargetRunner, speculative_generate  # noqa: E402
 
 FILE = "spec_e2e_cpu"
 DTYPES = ("fp32", "bf16", "int8")
@@ -73,7 +73,8 @@ def _conditions(threads: int) -> dict:
 # ------------------------------------------------------------------------------------ measured
 def _demo_pair(demo_out: str):
     from elsi_fast.report import LayerReport
-    from elsi_fast.targets import DEMO, build_demo_target, build_target, heldout_texts, load_target
+    from elsi_fast.loading import load_model
+    from elsi_fast.toy_targets import DEMO, build_demo_target, build_target, heldout_texts
 
     report_path = os.path.join(demo_out, "report.json")
     layers = LayerReport.from_json(report_path).select("elsi", 1) if os.path.isfile(report_path) else None
@@ -81,11 +82,11 @@ def _demo_pair(demo_out: str):
     if layers is None or not os.path.isfile(os.path.join(folder, "config.json")):
         raise SystemExit(f"--demo-out {demo_out}: no trained ELSI m=1 draft there; run "
                          f"`elsi-fast demo --train-drafts --out {demo_out}` first")
-    model, tokenizer = load_target(build_demo_target(progress=False))
+    model, tokenizer = load_model(build_demo_target(progress=False), device="cpu", dtype="float32")
     draft = Eagle3Draft.from_pretrained(folder, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     # Same text, same tokenizer recipe, 2 blocks instead of 12: a small assistant of the same family.
     assistant_recipe = dataclasses.replace(DEMO, name="stdlib-demo-assistant", num_hidden_layers=2)
-    assistant, assistant_tokenizer = load_target(build_target(assistant_recipe, progress=False))
+    assistant, assistant_tokenizer = load_model(build_target(assistant_recipe, progress=False), device="cpu", dtype="float32")
     if assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise SystemExit("the assistant's tokenizer differs from the demo target's; assisted generation needs one")
     held = [t for t in heldout_texts(DEMO) if len(t) >= 100]
@@ -156,7 +157,7 @@ def bench_measured(args, dev: str) -> None:
 
 def demo_taus(args) -> dict[tuple[str, int], float]:
     """tau of the trained demo pair per (draft dtype, k) on the benchmark prompts (not timed)."""
-    from elsi_fast.train import evaluate_tau
+    from elsi_fast.evaluation import evaluate_tau
 
     model, draft, _, prompts, _, _ = _demo_pair(args.demo_out)
     grouped = {"stdlib": [p[0] for p in prompts]}

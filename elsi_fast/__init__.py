@@ -24,7 +24,7 @@ _LAZY = {
     "LayerReport": "elsi_fast.report",
     "Eagle3Draft": "elsi_fast.draft",
     "Eagle3Config": "elsi_fast.draft",
-    "speculative_generate": "elsi_fast.spec",
+    "speculative_generate": "elsi_fast.speculative",
 }
 
 __all__ = list(_LAZY)

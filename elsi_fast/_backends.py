@@ -27,6 +27,6 @@ def backends(device: str | torch.device | None = None) -> dict[str, str]:
         "linear_token_entropy": stat,
         "StreamingCovariance.update": stat,
         "MinibatchHSIC.update": stat,
-        "Eagle3Draft.decode_step": native.describe(device),
+        "NativeDraftDecoder.step": native.describe(device),
     }
     return out

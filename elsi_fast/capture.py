@@ -1,6 +1,6 @@
 """Capture the residual stream h_0 .. h_N of a Hugging Face causal LM with forward hooks.
 
-Layer convention (DESIGN.md section 2, "input-to-layer"): h_0 is the input of block 0 (the token
+Layer convention (docs/method.md section 2, "input-to-layer"): h_0 is the input of block 0 (the token
 embeddings, after any model-specific scaling or position embeddings), h_l is the input of block l
 = output of block l-1, and h_N is the output of the last block *before* the final norm. Hugging
 Face's `output_hidden_states[N]` is taken after the final norm, so h_N comes from a hook on the

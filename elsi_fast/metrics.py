@@ -1,4 +1,4 @@
-"""Exact layer-similarity and entropy metrics (DESIGN.md section 3).
+"""Exact layer-similarity and entropy metrics (docs/method.md section 3).
 
 All functions take torch tensors on any device in fp16 / bf16 / fp32 / fp64 and never accumulate in
 half precision: CPU work runs in float64, CUDA work in float32 (eigen-solvers always in float64),

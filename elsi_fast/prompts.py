@@ -132,3 +132,16 @@ def encode_prompt(prompt: Prompt | str, tokenizer: Any) -> list[int]:
         # The rendered template already carries BOS and the role markers.
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt.text)["input_ids"])
+
+
+def prompts_by_category(prompts: list[Prompt], tokenizer: Any, max_prompts: int | None = None,
+                        max_tokens: int | None = None) -> dict[str, list[list[int]]]:
+    """Token ids of `prompts` (see `encode_prompt`), grouped by their category ("text" when none):
+    at most `max_prompts` per category, each truncated to `max_tokens`."""
+    grouped: dict[str, list[list[int]]] = {}
+    for prompt in prompts:
+        ids = encode_prompt(prompt, tokenizer)[:max_tokens]
+        bucket = grouped.setdefault(prompt.category or "text", [])
+        if max_prompts is None or len(bucket) < max_prompts:
+            bucket.append(ids)
+    return grouped

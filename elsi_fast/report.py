@@ -1,6 +1,6 @@
 """LayerReport: the result of `elsi_fast.analyze`, with selection, JSON, plots and serving configs.
 
-All layer indices are input-to-layer (DESIGN.md section 2): 0 = embeddings, l = input of block l,
+All layer indices are input-to-layer (docs/method.md section 2): 0 = embeddings, l = input of block l,
 N = last block's output before the final norm.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from . import selection as sel
 from . import serving
+from .analysis_options import DEFAULTS
 
 METHODS = ("elsi", "elsi-c", "eagle3", "low-entropy", "last", "uniform")
 _OPTIMIZED = ("elsi", "elsi-c", "low-entropy")
@@ -62,6 +63,10 @@ class LayerReport:
     set_entropy: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
     set_renyi2: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # A report from an older version lacks newer settings: they take today's defaults.
+        self.options = {**DEFAULTS.to_dict(), **self.options}
+
     # -----------------------------------------------------------------------------------------
     # Selection
     # -----------------------------------------------------------------------------------------
@@ -72,8 +77,8 @@ class LayerReport:
         return self.num_hidden_layers + 1
 
     def _candidates(self) -> list[int]:
-        candidates = self.options.get("candidates")
-        return list(range(1, self.num_hidden_layers)) if candidates is None else list(candidates)
+        candidates = self.options["candidates"]
+        return serving.common_candidate_layers(self.num_hidden_layers) if candidates is None else list(candidates)
 
     def _objective(self, method: str) -> Callable:
         if self.set_entropy is None:
@@ -83,19 +88,19 @@ class LayerReport:
             )
 
         if method == "elsi-c":
-            return sel.cka_penalized(self.set_entropy, np.asarray(self.cka), self.options.get("beta", 1.0))
+            return sel.cka_penalized(self.set_entropy, np.asarray(self.cka), self.options["beta"])
         return self.set_entropy
 
     def compute_selections(self) -> None:
         """Compartments, pair gains and every method's selection for each m in options['m']."""
         cka = np.asarray(self.cka, dtype=np.float64)
-        half_width = self.options.get("novelty_half_width", 2)
+        half_width = self.options["novelty_half_width"]
         self.novelty = sel.novelty_curve(cka, half_width).tolist()
-        self.boundaries = sel.novelty_boundaries(cka, half_width, self.options.get("novelty_threshold", 0.1))
+        self.boundaries = sel.novelty_boundaries(cka, half_width, self.options["novelty_threshold"])
         self.compartments = sel.compartments_from_boundaries(self.boundaries, self.num_layers)
         if self.set_renyi2 is not None:
             self.pair_gain = sel.pair_gain_matrix(self.set_renyi2, list(range(self.num_layers))).tolist()
-        for m in self.options.get("m", (1, 3)):
+        for m in self.options["m"]:
             for method in ("elsi", "elsi-c", "low-entropy", "uniform"):
                 self.select(method, m)
         # The fixed-size rules are the reference points whatever m was asked for.
@@ -134,7 +139,7 @@ class LayerReport:
         else:
             objective = self._objective(method)
             compartments = (
-                self.compartments if method == "elsi-c" and self.options.get("one_per_compartment") else None
+                self.compartments if method == "elsi-c" and self.options["one_per_compartment"] else None
             )
             # The control may also take the embeddings (the paper's {0, 1, N-1}).
             candidates = sorted({0, *self._candidates()}) if method == "low-entropy" else self._candidates()
@@ -144,7 +149,7 @@ class LayerReport:
                 m,
                 maximize=method != "low-entropy",
                 compartments=compartments,
-                max_exhaustive=self.options.get("max_exhaustive", 1000),
+                max_exhaustive=self.options["max_exhaustive"],
             )
             layers, gains = choice.layers, choice.gains
             self.search.setdefault(method, {})[str(m)] = "exhaustive" if choice.exhaustive else "greedy"
@@ -161,7 +166,7 @@ class LayerReport:
     # -----------------------------------------------------------------------------------------
 
     def _default_m(self) -> int:
-        ms = list(self.options.get("m", (3,)))
+        ms = list(self.options["m"])
         return 3 if 3 in ms else max(ms)
 
     def serving_notes(self, engine: str, m: int | None = None, method: str = "elsi") -> list[str]:
@@ -212,7 +217,7 @@ class LayerReport:
             "input-to-layer indices)",
             f"tokens: {self.tokens.get('kept')} kept of {self.tokens.get('candidates')} "
             f"({100 * self.tokens.get('kept_fraction', 0):.1f}%, min_token_entropy="
-            f"{self.options.get('min_token_entropy')} nats)",
+            f"{self.options['min_token_entropy']} nats)",
         ]
         variance = self.entropy_variance
         if "reduction" in variance:
@@ -221,18 +226,18 @@ class LayerReport:
                 f"with the filter ({100 * variance['reduction']:+.1f}% reduction)"
             )
         if self.memory:
-            gram_tokens = self.options.get("gram_tokens")
+            gram_tokens = self.options["gram_tokens"]
             lines.append(
                 f"prompt-mode store: {self.memory['gram_store_bytes'] / 2**20:.1f} MiB on disk for "
                 f"{self.prompts.get('in_prompt_mode')} prompts ("
                 f"{'all kept tokens' if gram_tokens is None else f'<= {gram_tokens} tokens each'}, "
-                f"{self.options.get('gram_dtype')}), {self.memory.get('prompt_statistics_bytes', 0) / 2**20:.1f} MiB "
+                f"{self.options['gram_dtype']}), {self.memory.get('prompt_statistics_bytes', 0) / 2**20:.1f} MiB "
                 f"in RAM; accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
             )
         if "sets_screened" in self.timing:
             lines.append(
                 f"set searches: {self.timing['sets_screened']} candidate sets screened on prompt samples "
-                f"(Renyi-2 control variates, z={self.options.get('screen_z')}), {self.timing['sets_evaluated_exactly']} "
+                f"(Renyi-2 control variates, z={self.options['screen_z']}), {self.timing['sets_evaluated_exactly']} "
                 f"evaluated on every prompt; {self.timing['prompt_set_eigensolves']} (set, prompt) eigensolves"
             )
         lines.append("")

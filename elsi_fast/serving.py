@@ -1,4 +1,4 @@
-"""Serving-engine config snippets for a chosen layer set (DESIGN.md section 2).
+"""Serving-engine config snippets for a chosen layer set (docs/method.md section 2).
 
 elsi-fast indexes hidden states input-to-layer: h_l is the input of block l (h_0 the embeddings,
 h_N the last block's output before the final norm). vLLM and speculators use the same convention;
@@ -43,7 +43,8 @@ with a switch its engine lacks is computed as the plain layer there:
 
 from __future__ import annotations
 
-from typing import Sequence
+import warnings
+from typing import Any, Sequence
 
 ENGINES = ("vllm", "speculators", "sglang", "specforge", "trtllm")
 _OUTPUT_OF_LAYER = {"sglang", "specforge", "trtllm"}
@@ -72,7 +73,7 @@ def candidate_layers(engine: str, num_blocks: int) -> list[int]:
     SGLang / SpecForge / TensorRT-LLM: h_1 .. h_{N-1} (output-of-layer ids 0 .. N-2: they record
     block inputs inside the layer loop, so never h_N, and h_0 has no output-of-layer id).
     Pass it to `analyze(..., candidates=...)` to select for one engine; the default candidates,
-    h_1 .. h_{N-1}, are servable by all of them.
+    `common_candidate_layers`, are servable by all of them.
     """
     engine = _check_engine(engine)
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -80,6 +81,29 @@ def candidate_layers(engine: str, num_blocks: int) -> list[int]:
     if engine in _CAPTURES_LAST:
         return list(range(0, num_blocks + 1))
     return list(range(1, num_blocks))
+
+
+def common_candidate_layers(num_blocks: int) -> list[int]:
+    """The hidden states every engine can capture: h_1 .. h_{N-1}. The analysis's default candidates."""
+    common = set(candidate_layers(ENGINES[0], num_blocks))
+    for engine in ENGINES[1:]:
+        common &= set(candidate_layers(engine, num_blocks))
+    return sorted(common)
+
+
+def to_output_of_layer(layers: Sequence[int]) -> list[int]:
+    """Input-to-layer ids -> output-of-layer ids (l - 1: the block whose output h_l is). h_0, the
+    token embeddings, is no block's output: ValueError."""
+    layers = [int(l) for l in layers]
+    if 0 in layers:
+        raise ValueError("layers: h_0 (the token embeddings) has no output-of-layer index; choose a set without "
+                         "layer 0 or serve with an input-to-layer engine (vLLM, speculators)")
+    return [l - 1 for l in layers]
+
+
+def from_output_of_layer(ids: Sequence[int]) -> list[int]:
+    """Output-of-layer ids (SGLang, SpecForge, TensorRT-LLM) -> input-to-layer ids (id + 1)."""
+    return [int(i) + 1 for i in ids]
 
 
 def to_engine_layer_ids(layers: Sequence[int], engine: str, num_blocks: int | None = None) -> list[int]:
@@ -102,7 +126,7 @@ def to_engine_layer_ids(layers: Sequence[int], engine: str, num_blocks: int | No
                 f"layers: h_0 (the token embeddings) has no output-of-layer index in {engine}; "
                 "choose the selection without layer 0 or serve with vLLM/speculators"
             )
-        return [l - 1 for l in layers]
+        return to_output_of_layer(layers)
     return layers
 
 
@@ -142,3 +166,23 @@ def serving_config(layers: Sequence[int], engine: str, num_blocks: int) -> dict:
     if engine == "specforge":
         return {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
     return {"decoding_type": "Eagle", "eagle3_layers_to_capture": ids}
+
+
+def serving_configs(report: Any) -> dict[str, dict]:
+    """Every selection of a `LayerReport` (all methods and m) for every engine, with its caveats:
+    "method/m=M/engine" -> {"layers", "config" (None where the engine cannot serve it), "notes"}."""
+    configs = {}
+    for method, by_m in report.selections.items():
+        for m in sorted(by_m, key=int):
+            layers = report.select(method, int(m))
+            for engine in ENGINES:
+                key = f"{method}/m={m}/{engine}"
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        config = report.serving_config(engine, m=int(m), method=method)
+                    configs[key] = {"layers": layers, "config": config,
+                                    "notes": report.serving_notes(engine, int(m), method)}
+                except ValueError as exc:  # e.g. h_0 in an output-of-layer engine
+                    configs[key] = {"layers": layers, "config": None, "notes": [str(exc)]}
+    return configs

@@ -1,4 +1,4 @@
-"""Streaming, mergeable layer statistics for dataset mode (DESIGN.md section 3).
+"""Streaming, mergeable layer statistics for dataset mode (docs/method.md section 3).
 
 `StreamingCovariance` keeps per-layer second moments for the covariance entropy of each layer;
 `MinibatchHSIC` keeps the L x L unbiased HSIC matrix (and per-layer traces) for CKA and the
@@ -354,7 +354,7 @@ class MinibatchHSIC:
         return _cka_from_inner_products(self._hsic_sum, [f"layer {i}" for i in range(self.num_layers)])
 
     def renyi2_entropy(self, layers: Sequence[int]) -> float:
-        """Renyi-2 entropy (nats) of the concatenation of `layers` (DESIGN.md section 3):
+        """Renyi-2 entropy (nats) of the concatenation of `layers` (docs/method.md section 3):
         H2(S) = -log( sum_{a,b in S} H_ab / (sum_{a in S} t_a)^2 )."""
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
             raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")

@@ -15,9 +15,8 @@ as an uninterrupted one.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -28,27 +27,12 @@ import torch
 from .capture import capture_hidden_states, decoder_layers
 from .draft import Eagle3Config, Eagle3Draft
 from .interrupt import DeferredInterrupt
-from .spec import SpecResult, draft_positions_needed, native_decoder_for, speculative_generate
-from .targets import warmup_cosine
+from .state_files import load_state, save_state
+from .training_data import token_stream
 
 STATE_FILE = "training_state.pt"
 SUMMARY_FILE = "train_summary.json"
 TTT_DECAY = 0.8
-
-
-def token_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
-    """All texts tokenized back to back, each followed by EOS: int64 [n_tokens]."""
-    if isinstance(texts, str) or not texts:
-        raise ValueError("texts: expected a non-empty list of strings")
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for text in texts:
-        if not isinstance(text, str):
-            raise TypeError(f"texts: expected strings, got {type(text).__name__}")
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def draft_vocab_ids(token_ids: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
@@ -146,10 +130,12 @@ def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor) -> tuple[
     return total, per_step, float(agree)
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def warmup_cosine(step: int, warmup: int, steps: int) -> float:
+    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * frac))
 
 
 def train_draft(
@@ -219,7 +205,7 @@ def train_draft(
                 "draft_vocab_size": draft_vocab_size, "config": config.to_dict()}
     step, history = 0, []
     if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
+        state = load_state(state_path, "resume")
         if state["args"] != run_args:
             raise ValueError(f"resume: {state_path} was written by a run with different settings; "
                              "use another out_dir or resume=False")
@@ -230,7 +216,7 @@ def train_draft(
         step, history = state["step"], state["history"]
 
     def save() -> None:
-        _atomic_torch_save({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+        save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                             "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
                             "step": step, "history": history}, state_path)
         draft.save_pretrained(out)
@@ -271,153 +257,3 @@ def train_draft(
                "final_loss": history[-1]["loss"], "history": history}
     (out / SUMMARY_FILE).write_text(json.dumps(summary))
     return draft
-
-
-def speculative_runs(
-    target,
-    draft,
-    prompts_by_category: Mapping[str, Sequence[Sequence[int] | torch.Tensor]],
-    *,
-    k: int = 4,
-    max_new_tokens: int = 48,
-    draft_dtype: str | None = None,
-    draft_backend: str = "auto",
-    progress: bool = False,
-    state_path: str | os.PathLike | None = None,
-) -> dict[str, list[SpecResult]]:
-    """`speculative_generate` on every prompt: category -> one `SpecResult` per prompt.
-
-    The draft path is chosen once (`spec.native_decoder_for`; draft_dtype / draft_backend as in
-    `speculative_generate`), so int8 weights are quantized once and auto mode warns at most once.
-    state_path: a JSON-lines file that gets each prompt's result as soon as it is done; a rerun
-    with the same file, target, draft, prompts and settings takes the finished prompts from it
-    and runs only the rest (another setting starts the file over).
-    """
-    from tqdm.auto import tqdm
-
-    if not prompts_by_category:
-        raise ValueError("prompts_by_category: no categories given")
-    jobs = [(cat, torch.as_tensor(ids, dtype=torch.long)) for cat, prompts in prompts_by_category.items()
-            for ids in prompts]
-    runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
-    log = _ResultLog(state_path, _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend))
-    done = log.load()
-    longest = max((ids.numel() for _, ids in jobs), default=1)
-    decoder = None
-    if len(done) < len(jobs):
-        decoder = native_decoder_for(draft, draft_positions_needed(longest, max_new_tokens, k),
-                                     draft_dtype=draft_dtype, draft_backend=draft_backend)
-    bar = tqdm(jobs, desc=f"eval tau (threads: {torch.get_num_threads()})", disable=not progress)
-    for index, (category, ids) in enumerate(bar):
-        if index < len(done):
-            result = done[index]
-        elif decoder is not None:
-            result = speculative_generate(target, decoder, ids, max_new_tokens, k)
-        else:
-            result = speculative_generate(target, draft, ids, max_new_tokens, k, draft_backend="torch")
-        if index >= len(done):
-            log.append(result)
-        runs[category].append(result)
-    return runs
-
-
-def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend) -> str:
-    """What decides the results of speculative_runs: settings, prompts, the draft's weights, and the
-    target's config and embeddings (hashing all of a large target's weights would take too long)."""
-    digest = hashlib.sha256(json.dumps([k, max_new_tokens, draft_dtype, draft_backend,
-                                        [(cat, ids.tolist()) for cat, ids in jobs]]).encode())
-    digest.update(target.config.to_json_string().encode())
-    tensors = [*draft.state_dict().values(), target.get_input_embeddings().weight]
-    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    if head is not None:
-        tensors.append(head.weight)
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-class _ResultLog:
-    """Finished SpecResults of speculative_runs in a JSON-lines file: a header line with the runs'
-    fingerprint, then one line per prompt in order. No file (path None): nothing is kept."""
-
-    def __init__(self, path: str | os.PathLike | None, fingerprint: str):
-        self.path = None if path is None else Path(path)
-        self.fingerprint = fingerprint
-
-    def load(self) -> list[SpecResult]:
-        if self.path is None:
-            return []
-        results: list[SpecResult] = []
-        if self.path.is_file():
-            lines = self.path.read_text().splitlines()
-            if lines and self._header(lines[0]) == self.fingerprint:
-                for line in lines[1:]:
-                    try:
-                        fields = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut by a crash: that prompt runs again
-                        break
-                    results.append(SpecResult(tokens=torch.tensor(fields.pop("tokens"), dtype=torch.long), **fields))
-        with open(self.path, "w") as f:  # rewritten whole: drops a cut line or another run's results
-            f.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
-            for result in results:
-                f.write(self._line(result))
-        return results
-
-    def append(self, result: SpecResult) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(self._line(result))
-
-    @staticmethod
-    def _header(line: str) -> str | None:
-        """The fingerprint a header line names (None for a line cut by a crash: start over)."""
-        try:
-            header = json.loads(line)
-        except json.JSONDecodeError:
-            return None
-        return header.get("fingerprint") if isinstance(header, dict) else None
-
-    @staticmethod
-    def _line(result: SpecResult) -> str:
-        fields = dataclasses.asdict(result)
-        fields["tokens"] = result.tokens.tolist()
-        return json.dumps(fields) + "\n"
-
-
-def pooled_tau(runs: Mapping[str, Sequence[SpecResult]]) -> dict[str, float]:
-    """tau per category = (accepted + rounds) / rounds summed over its prompts; "all" pools every one."""
-    totals: dict[str, list[int]] = {}
-    for category, results in runs.items():
-        for result in results:
-            for key in (category, "all"):
-                emitted, rounds = totals.setdefault(key, [0, 0])
-                totals[key] = [emitted + sum(result.accepted_lengths) + result.rounds, rounds + result.rounds]
-    empty = [cat for cat, (_, rounds) in totals.items() if rounds == 0]
-    if empty:
-        raise ValueError(f"max_new_tokens: no verification round ran for {empty}; use max_new_tokens >= 2")
-    pooled = totals.pop("all")
-    return {**{cat: emitted / rounds for cat, (emitted, rounds) in totals.items()}, "all": pooled[0] / pooled[1]}
-
-
-def evaluate_tau(
-    target,
-    draft,
-    prompts_by_category: Mapping[str, Sequence[Sequence[int] | torch.Tensor]],
-    *,
-    k: int = 4,
-    max_new_tokens: int = 48,
-    draft_dtype: str | None = None,
-    draft_backend: str = "auto",
-    progress: bool = False,
-    state_path: str | os.PathLike | None = None,
-) -> dict[str, float]:
-    """Mean acceptance length tau per category, pooled over its prompts.
-
-    prompts_by_category: category -> list of prompt token ids. tau = (accepted + rounds) /
-    rounds summed over every prompt of the category; the key ``"all"`` pools every category.
-    draft_dtype / draft_backend: the draft's decode path, as in `speculative_generate`;
-    state_path: as in `speculative_runs`.
-    """
-    return pooled_tau(speculative_runs(target, draft, prompts_by_category, k=k, max_new_tokens=max_new_tokens,
-                                       draft_dtype=draft_dtype, draft_backend=draft_backend, progress=progress,
-                                       state_path=state_path))

@@ -200,7 +200,7 @@ def first_best(values):
 
 
 def brute_force_select(f, candidates, m, maximize=True, penalty=lambda s: 0.0, max_exhaustive=1000):
-    """(layers, greedy gains) by the definitions of DESIGN.md section 4, evaluating every set."""
+    """(layers, greedy gains) by the definitions of docs/method.md section 4, evaluating every set."""
     sign = 1 if maximize else -1
     g = lambda s: f(s) - penalty(s)  # noqa: E731
     chosen, gains, current = [], [], 0.0
@@ -222,7 +222,7 @@ def check_selections_equal_brute_force(model, prompts, threshold, **options):
     by fp32 round-off, ~1e-8 nats), checked against the independent reference first."""
     report = analyze(model, SpecialIds(), prompts, min_token_entropy=threshold, gram_dtype="float64",
                      progress=False, **options)
-    store = report.set_entropy.values.__self__
+    store = report.set_entropy.values.__self__.store
     grams = [store.prompt_grams(i).numpy() for i in np.argsort(store.prompt_index)]
     reference = reference_prompt_vectors(model, prompts, threshold)
     for k, z in zip(grams, reference):
@@ -257,27 +257,26 @@ def test_set_entropies_do_not_depend_on_threads_cache_or_batching():
     bounded cache: two threads, a cache that holds almost nothing, and sets asked one at a time or
     all at once give the same values (to 1e-12: BLAS may round by alignment), equal to the
     brute-force definition."""
-    from elsi_fast import analysis
+    from elsi_fast import set_entropy
 
     model = tiny_model("llama", num_hidden_layers=5, seed=21)
     prompts = make_prompts(12, seed=21, min_len=12, max_len=60)  # Grams and vectors stored
     report = analyze(model, SpecialIds(), prompts, m=(1,), min_token_entropy=0, gram_dtype="float64", progress=False)
-    store = report.set_entropy.values.__self__
+    store = report.set_entropy.values.__self__.store
     sets = [(1, 2), (1, 3), (2, 4), (1, 2, 3), (0, 2, 5), (3, 4, 5)]
     everything = np.arange(len(store))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        store._changed()
-        one = store.prompt_set_entropy(sets, everything)
+        one = set_entropy.SetEntropySolver(store).prompt_set_entropy(sets, everything)
         torch.set_num_threads(2)
-        store._changed()
-        store._products = analysis._ProductCache(limit=40_000)  # about one block: every product is recomputed
-        two = np.stack([store.prompt_set_entropy([s], everything)[:, 0] for s in sets], axis=1)
+        solver = set_entropy.SetEntropySolver(store)
+        solver._products = set_entropy._ProductCache(limit=40_000)  # about one block: every product is recomputed
+        two = np.stack([solver.prompt_set_entropy([s], everything)[:, 0] for s in sets], axis=1)
     finally:
         torch.set_num_threads(threads)
     np.testing.assert_allclose(one, two, rtol=0, atol=1e-12)
-    assert store._products.bytes <= 40_000
+    assert solver._products.bytes <= 40_000
     f = brute_force_set_entropy([store.prompt_grams(i).numpy() for i in np.argsort(store.prompt_index)])
     np.testing.assert_allclose(one.mean(0), [f(s) for s in sets], rtol=0, atol=1e-9)
 
@@ -346,7 +345,7 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, stop):
         analyze(model, SpecialIds(), prompts, state_path=state, save_every=1 if stop == "crash" else 100, **options)
     handle.remove()
     assert calls["n"] == 3  # no batch started after the stop
-    assert torch.load(state, weights_only=False)["position"] == (4 if stop == "crash" else 6)  # batches of 2
+    assert torch.load(state, weights_only=True)["position"] == (4 if stop == "crash" else 6)  # batches of 2
     resumed = analyze(model, SpecialIds(), prompts, state_path=state, save_every=1, **options)
     assert resumed.tokens == full.tokens  # no token counted twice
     for a, b in zip(resumed.layers, full.layers):

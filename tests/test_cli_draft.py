@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elsi_fast.cli import main
-from elsi_fast.targets import TargetRecipe, build_target
+from elsi_fast.toy_targets import TargetRecipe, build_target
 
 TRAIN = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--ttt-steps", "2",
          "--draft-vocab-size", "64", "--intermediate-size", "16", "--no-progress"]
@@ -82,7 +82,7 @@ def test_errors_exit_2_with_message(setup, capsys):
 
 
 def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys):
-    from elsi_fast import targets
+    from elsi_fast import toy_targets as targets
 
     # The real demo target takes minutes; the same code path on a tiny stdlib recipe takes seconds.
     tiny = TargetRecipe(name="demo-tiny", source=targets.STDLIB, vocab_size=320, hidden_size=16,
@@ -111,7 +111,7 @@ def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys
 
 
 def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
-    from elsi_fast import train
+    from elsi_fast import evaluation
     from elsi_fast.cli import EXIT_INTERRUPTED
     from elsi_fast.cli.draft import EVAL_PROGRESS_FILE
 
@@ -126,7 +126,7 @@ def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
     assert not (out / EVAL_PROGRESS_FILE).exists()  # removed on success
     capsys.readouterr()
 
-    generate, calls = train.speculative_generate, []
+    generate, calls = evaluation.speculative_generate, []
 
     def ctrl_c_at_third(*args, **kwargs):
         calls.append(1)
@@ -134,7 +134,7 @@ def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
             raise KeyboardInterrupt
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(train, "speculative_generate", ctrl_c_at_third)
+    monkeypatch.setattr(evaluation, "speculative_generate", ctrl_c_at_third)
     assert main(evaluate) == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert str(out / EVAL_PROGRESS_FILE) in err and "continue" in err and "Traceback" not in err

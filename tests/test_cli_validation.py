@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from elsi_fast.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
-from elsi_fast.targets import TargetRecipe, build_target
+from elsi_fast.toy_targets import TargetRecipe, build_target
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +169,6 @@ def test_interrupt_saves_state_and_resume_continues(tiny, tmp_path, capsys, monk
                 for engine in ENGINES}
     assert set(configs) == expected
     assert {key.split("/")[0] for key in configs} == {"elsi", "elsi-c", "eagle3", "low-entropy", "last", "uniform"}
-
-
-def test_help_default_of_the_token_entropy_filter_is_the_library_default():
-    from elsi_fast.analysis import DEFAULT_MIN_TOKEN_ENTROPY
-    from elsi_fast.cli.analyze import MIN_TOKEN_ENTROPY_HELP_DEFAULT
-
-    assert MIN_TOKEN_ENTROPY_HELP_DEFAULT == DEFAULT_MIN_TOKEN_ENTROPY
 
 
 def test_training_state_file_name_matches_the_trainer():

@@ -317,7 +317,7 @@ def test_cka_invariances(n, d, scale, seed, unbiased):
     torch.testing.assert_close(cka_matrix([rotated, y], **f64), cka_matrix([x, y], **f64))
 
 
-# Independent standard Gaussian layers: (d, n) -> mean biased CKA (DESIGN.md section 3).
+# Independent standard Gaussian layers: (d, n) -> mean biased CKA (docs/method.md section 3).
 KNOWN_BIASED_CKA = {
     (8, 32): 0.19, (8, 64): 0.11, (8, 128): 0.06, (8, 256): 0.03,
     (64, 32): 0.67, (64, 64): 0.50, (64, 128): 0.34, (64, 256): 0.20,

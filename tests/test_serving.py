@@ -1,4 +1,4 @@
-"""Serving-config index conventions (DESIGN.md section 2) and what each engine reads (serving.py)."""
+"""Serving-config index conventions (docs/method.md section 2) and what each engine reads (serving.py)."""
 
 import pytest
 

@@ -1,59 +1,20 @@
-"""train_draft / evaluate_tau: soft labels, TTT loss, vocab mapping, learning, resume, checkpoints."""
+"""train_draft: soft labels, TTT loss, vocab mapping, learning, resume, checkpoints."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import random
 import signal
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from elsi_fast import train as train_mod
 from elsi_fast.draft import Eagle3Draft
-from elsi_fast.spec import SpecResult, speculative_generate
-from elsi_fast.targets import train_tokenizer
-from elsi_fast.train import (
-    draft_vocab_ids,
-    evaluate_tau,
-    token_stream,
-    train_draft,
-    ttt_loss,
-)
-
-
-def _texts() -> list[str]:
-    rng = random.Random(0)
-    subjects = ["the cat", "a dog", "my friend", "the old king", "a small bird"]
-    verbs = ["sat on", "looked at", "ran to", "sang about", "dreamed of"]
-    objects = ["the mat", "a river", "the castle", "green hills", "the moon"]
-    return [" ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(40))
-            for _ in range(12)]
-
-
-TEXTS = _texts()
-TOKENIZER = train_tokenizer(TEXTS, 320)
-
-
-def _target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).eval()
-    # A random model's next-token distribution is nearly uniform, leaving the draft nothing to
-    # learn; sharper logits make it a peaked, context-dependent function like a trained model's.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    return model
-
-
-TARGET = _target()
-SMALL = dict(draft_vocab_size=96, batch_size=4, seq_len=24, lr=3e-3, warmup=2, ttt_steps=2,
-             draft_config={"intermediate_size": 24, "num_attention_heads": 2, "num_key_value_heads": 1},
-             progress=False)
+from elsi_fast.train import draft_vocab_ids, train_draft, ttt_loss
+from elsi_fast.training_data import token_stream
+from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER
 
 
 def test_draft_vocab_ids_are_the_most_frequent_sorted():
@@ -180,38 +141,3 @@ def test_bad_arguments(tmp_path):
                     **{**SMALL, "draft_config": {"hidden_size": 16}})
     with pytest.raises(ValueError, match="texts"):
         train_draft(TARGET, TOKENIZER, [1], "just a string", out_dir=tmp_path, steps=1, **SMALL)
-
-
-def test_evaluate_tau_pools_rounds_per_category(tmp_path):
-    draft = train_draft(TARGET, TOKENIZER, [2, 4], TEXTS, out_dir=tmp_path, steps=3, seed=0, **SMALL)
-    prompts = {"a": [TOKENIZER(TEXTS[0][:30])["input_ids"], TOKENIZER(TEXTS[1][:20])["input_ids"]],
-               "b": [TOKENIZER(TEXTS[2][:40])["input_ids"]]}
-    taus = evaluate_tau(TARGET, draft, prompts, k=3, max_new_tokens=10)
-    totals = {}
-    for cat, plist in prompts.items():
-        for ids in plist:
-            r = speculative_generate(TARGET, draft, torch.tensor(ids), 10, 3)
-            for key in (cat, "all"):
-                e, n = totals.get(key, (0, 0))
-                totals[key] = (e + len(r.tokens) - 1, n + r.rounds)
-    assert taus == pytest.approx({key: e / n for key, (e, n) in totals.items()})
-    assert all(1.0 <= tau <= 4.0 for tau in taus.values())
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        evaluate_tau(TARGET, draft, prompts, k=3, max_new_tokens=1)
-
-
-def test_eval_progress_file_cut_by_a_crash_starts_over_or_keeps_whole_lines(tmp_path):
-    log_path = tmp_path / "progress.jsonl"
-    log_path.write_text('{"finger')  # the header itself was cut
-    assert train_mod._ResultLog(log_path, "abc").load() == []
-    assert json.loads(log_path.read_text().splitlines()[0]) == {"fingerprint": "abc"}
-    result = SpecResult(tokens=torch.tensor([5, 6, 7]), accepted_lengths=[1], k=2, draft_time_s=0.1,
-                        target_time_s=0.2, draft_backend="torch", draft_calls={"torch_steps": 2})
-    log = train_mod._ResultLog(log_path, "abc")
-    log.append(result)
-    with open(log_path, "a") as f:
-        f.write('{"tokens": [1')  # a result line cut by a crash
-    (loaded,) = train_mod._ResultLog(log_path, "abc").load()
-    assert torch.equal(loaded.tokens, result.tokens) and loaded.accepted_lengths == [1]
-    assert loaded.draft_calls == {"torch_steps": 2}
-    assert train_mod._ResultLog(log_path, "other").load() == []  # other settings: start over

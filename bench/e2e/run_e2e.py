@@ -63,16 +63,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _target():
-    from elsi_fast.targets import NATURAL_LANGUAGE, build_target, load_target
+    from elsi_fast.loading import load_model
+    from elsi_fast.toy_targets import NATURAL_LANGUAGE, build_target
 
     path = build_target(NATURAL_LANGUAGE)
-    model, tokenizer = load_target(path)
+    model, tokenizer = load_model(path, device="cpu", dtype="float32")
     return path, model, tokenizer
 
 
 def calibration_texts(n: int) -> list[str]:
     """n windows of ~600 characters spread evenly over the target's training text."""
-    from elsi_fast.targets import NATURAL_LANGUAGE, training_texts
+    from elsi_fast.toy_targets import NATURAL_LANGUAGE, training_texts
 
     docs = training_texts(NATURAL_LANGUAGE)
     per_doc = max(1, n // len(docs))
@@ -87,7 +88,7 @@ def calibration_texts(n: int) -> list[str]:
 def eval_prompts(tokenizer, per_category: int, max_tokens: int) -> dict[str, list[list[int]]]:
     """Held-out prompts by category: Spec-Bench (first turn, evenly spaced ids) and held-out corpus text."""
     from elsi_fast.prompts import encode_prompt, load_prompts
-    from elsi_fast.targets import NATURAL_LANGUAGE, heldout_texts
+    from elsi_fast.toy_targets import NATURAL_LANGUAGE, heldout_texts
 
     prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"))
     grouped: dict[str, list] = {}
@@ -162,8 +163,9 @@ def run_name(layers, seed) -> str:
 def worker(args) -> None:
     import torch
 
-    from elsi_fast.targets import NATURAL_LANGUAGE, training_texts
-    from elsi_fast.train import evaluate_tau, train_draft
+    from elsi_fast.toy_targets import NATURAL_LANGUAGE, training_texts
+    from elsi_fast.evaluation import evaluate_tau
+    from elsi_fast.train import train_draft
 
     torch.set_num_threads(args.threads)
     plan = json.loads((Path(args.out) / "plan.json").read_text())

@@ -48,7 +48,7 @@ def interrupted(args: argparse.Namespace) -> str:
 
 def _calibration_file(out: str) -> str:
     """Held-out stdlib code, one prompt per source file (its held-out tail), blank-line separated."""
-    from ..targets import DEMO, heldout_texts
+    from ..toy_targets import DEMO, heldout_texts
 
     # Blank lines inside a prompt would split it: collapse them.
     chunks = ["\n".join(line for line in text[:1500].splitlines() if line.strip()) for text in heldout_texts(DEMO)]
@@ -61,11 +61,13 @@ def _calibration_file(out: str) -> str:
 
 
 def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) -> None:
+    from ..evaluation import evaluate_tau
+    from ..loading import load_model
     from ..report import LayerReport
-    from ..targets import DEMO, heldout_texts, load_target, training_texts
-    from ..train import evaluate_tau, train_draft
+    from ..toy_targets import DEMO, heldout_texts, training_texts
+    from ..train import train_draft
 
-    model, tokenizer = load_target(target_dir)
+    model, tokenizer = load_model(target_dir, device="cpu", dtype="float32")
     report = LayerReport.from_json(os.path.join(out, "report.json"))
     contenders = {"ELSI m=1": report.select("elsi", 1), "EAGLE3 default m=3": report.select("eagle3", 3)}
     texts = training_texts(DEMO)
@@ -88,7 +90,7 @@ def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) ->
 
 def _training_file(out: str) -> str:
     """The target's training text (stdlib code), for `elsi-fast train-draft --data`."""
-    from ..targets import DEMO, training_texts
+    from ..toy_targets import DEMO, training_texts
 
     path = os.path.join(out, "train.txt")
     with open(path, "w") as f:
@@ -106,7 +108,7 @@ def _link_target(target_dir: str, out: str) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from ..targets import build_demo_target
+    from ..toy_targets import build_demo_target
     from . import build_parser
 
     start = time.perf_counter()

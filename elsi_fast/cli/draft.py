@@ -7,12 +7,13 @@ import json
 import math
 import os
 
+from ..draft_names import DRAFT_BACKENDS, DRAFT_WEIGHT_DTYPES
 from . import UsageError, one_line, positive_int
-from .analyze import check_device, check_model, check_out_folder
+from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
 
 # elsi_fast.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
 TRAINING_STATE_FILE = "training_state.pt"
-# eval-draft's finished prompts (elsi_fast.train.speculative_runs state_path), removed on success.
+# eval-draft's finished prompts (elsi_fast.evaluation.speculative_runs state_path), removed on success.
 EVAL_PROGRESS_FILE = "eval_progress.jsonl"
 
 
@@ -24,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"or at the layers a report.json selects with --method/--m. The target runs online; the run resumes "
         f"from OUT/{TRAINING_STATE_FILE} unless --no-resume.",
     )
-    train.add_argument("--target", required=True, help="target model folder or hub id")
+    train.add_argument("--target", required=True, help=MODEL_HELP)
     which = train.add_mutually_exclusive_group(required=True)
     which.add_argument("--layers", type=int, nargs="+", help="input-to-layer ids, e.g. 2 6 9")
     which.add_argument("--report", help="report.json from `elsi-fast analyze`; with --method and --m")
@@ -56,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"DRAFT/{EVAL_PROGRESS_FILE}, so a rerun after Ctrl-C continues with the rest; the file is removed "
         "when the run completes.",
     )
-    evaluate.add_argument("--target", required=True, help="target model folder or hub id")
+    evaluate.add_argument("--target", required=True, help=MODEL_HELP)
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
     evaluate.add_argument("--prompts", required=True, help="JSONL with 'category' (Spec-Bench), text file, or folder")
     evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
@@ -65,10 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=256,
                           help="truncate prompts to this many tokens (default 256)")
     evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    evaluate.add_argument("--draft-dtype", choices=("fp32", "bf16", "int8"), default=None,
+    evaluate.add_argument("--draft-dtype", choices=DRAFT_WEIGHT_DTYPES, default=None,
                           help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
-    evaluate.add_argument("--draft-backend", choices=("auto", "native", "torch"), default="auto",
+    evaluate.add_argument("--draft-backend", choices=DRAFT_BACKENDS, default="auto",
                           help="draft decode path (default auto: native when it can run)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,10 +128,11 @@ def train_interrupted(args: argparse.Namespace) -> str:
 
 
 def train_handler(args: argparse.Namespace) -> int:
+    from ..loading import load_model
     from ..train import train_draft
-    from .analyze import load_model
 
-    model, tokenizer = load_model(args.target, args.device, "float32", option="--target")
+    model, tokenizer = load_model(args.target, device=args.device, dtype="float32", argument="--target",
+                                  device_argument="--device", progress=not args.no_progress)
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft = train_draft(
         model, tokenizer, args.layer_ids, args.texts, out_dir=args.out, draft_config=overrides,
@@ -160,19 +162,6 @@ def eval_check(args: argparse.Namespace) -> None:
     args.prompt_list = _load_texts(args.prompts, "--prompts")
 
 
-def prompts_by_category(prompts: list, tokenizer, max_prompts: int | None, max_tokens: int) -> dict[str, list[list[int]]]:
-    """Token ids of `prompts` (prompts.Prompt), grouped by their category ("text" when none)."""
-    from ..prompts import encode_prompt
-
-    grouped: dict[str, list[list[int]]] = {}
-    for prompt in prompts:
-        ids = encode_prompt(prompt, tokenizer)[:max_tokens]
-        bucket = grouped.setdefault(prompt.category or "text", [])
-        if max_prompts is None or len(bucket) < max_prompts:
-            bucket.append(ids)
-    return grouped
-
-
 def _eval_progress_file(args: argparse.Namespace) -> str:
     # Beside the draft it measures; another target, prompt set or setting starts it over.
     return os.path.join(args.draft, EVAL_PROGRESS_FILE)
@@ -187,10 +176,12 @@ def eval_interrupted(args: argparse.Namespace) -> str:
 
 def eval_handler(args: argparse.Namespace) -> int:
     from ..draft import Eagle3Draft
-    from ..train import pooled_tau, speculative_runs
-    from .analyze import load_model
+    from ..evaluation import pooled_tau, speculative_runs
+    from ..loading import load_model
+    from ..prompts import prompts_by_category
 
-    model, tokenizer = load_model(args.target, args.device, "float32", option="--target")
+    model, tokenizer = load_model(args.target, device=args.device, dtype="float32", argument="--target",
+                                  device_argument="--device", progress=not args.no_progress)
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)

@@ -4,7 +4,7 @@ Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`
 
 * "eagle3": the config SpecForge writes and vLLM / SGLang read (a Llama config with
   `architectures = ["LlamaForCausalLMEagle3"]`, `num_hidden_layers = 1`, `draft_vocab_size`,
-  `target_hidden_size`). elsi-fast adds the aux layer ids in both conventions of DESIGN.md
+  `target_hidden_size`). elsi-fast adds the aux layer ids in both conventions of docs/method.md
   section 2 and their count, so that every engine's fallback reads the same m and layers:
   top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer: the capture ids of vLLM),
   `num_aux_hidden_states` (the fc width of vLLM and SGLang), and `eagle_config` =
@@ -15,7 +15,7 @@ Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`
   path load (`speculators_model_type = "eagle3"`, the layer fields nested in
   `transformer_layer_config`, the verifier named in `speculators_config`).
 
-Architecture switches that change the math (DESIGN.md section 5 is the plain layer):
+Architecture switches that change the math (docs/method.md section 5 is the plain layer):
 `norm_before_residual` (the residual of the attention block is hidden_norm(h), not h),
 `norm_before_fc` (one RMSNorm over the m-state concatenation before fc), `fc_norm` (one RMSNorm
 per aux state before fc), `norm_feedback` (the next step is fed norm(h''), speculators' and
@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from ..serving import from_output_of_layer, to_output_of_layer
 
 # Upstream drafts hard-code three aux layers; a config without layer ids means that default.
 DEFAULT_NUM_AUX_LAYERS = 3
@@ -49,7 +51,7 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 class Eagle3Config:
     """Shape of a one-layer EAGLE3 draft head fed by `m` target hidden states.
 
-    `aux_layer_ids` are input-to-layer ids (h_l = input of target block l, DESIGN.md section 2),
+    `aux_layer_ids` are input-to-layer ids (h_l = input of target block l, docs/method.md section 2),
     strictly increasing because serving engines concatenate the captured states in layer order;
     `None` means the engine's EAGLE3 default of three layers. `head_dim` defaults to
     `hidden_size // num_attention_heads`, `target_hidden_size` to `hidden_size`,
@@ -198,10 +200,11 @@ class Eagle3Config:
                 out[name] = True
         if self.aux_layer_ids is not None:
             out["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
-            out["eagle_config"] = {
-                "use_aux_hidden_state": True,
-                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids],
-            }
+            out["eagle_config"] = {"use_aux_hidden_state": True}
+            # h_0 has no output-of-layer id: such a draft carries the input-to-layer ids only (the
+            # output-of-layer engines cannot capture it anyway).
+            if 0 not in self.aux_layer_ids:
+                out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = to_output_of_layer(self.aux_layer_ids)
         return out
 
     def to_speculators_dict(self, verifier: dict[str, Any], speculative_tokens: int = 3) -> dict[str, Any]:
@@ -407,7 +410,7 @@ def _read_layer_ids(data: dict[str, Any]) -> tuple[int, ...] | None:
     top = data.get("eagle_aux_hidden_state_layer_ids")
     eagle_config = data.get("eagle_config") or {}
     nested = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
-    from_nested = None if nested is None else tuple(int(i) + 1 for i in nested)
+    from_nested = None if nested is None else tuple(from_output_of_layer(nested))
     if top is not None and from_nested is not None and tuple(top) != from_nested:
         raise ValueError(
             f"config layer ids disagree: eagle_aux_hidden_state_layer_ids={list(top)} (input-to-layer) but "

@@ -1,4 +1,4 @@
-"""The EAGLE3 draft head in torch (DESIGN.md section 5), with its own KV cache.
+"""The EAGLE3 draft head in torch (docs/method.md section 5), with its own KV cache.
 
 One step over pairs (h_t, token_{t+1}) at positions p:
 
@@ -14,7 +14,7 @@ norm_feedback: the next step's `h` is norm(h''); final_norm=False: logits = lm_h
 qk_norm: q and k pass a per-head RMSNorm before RoPE; sliding_window=w: position p attends
 positions > p - w only (training-time-test steps j >= 1 attend their own position as before).
 This torch path is the reference the native fused decode (`elsi_fast.draft.native`) must match;
-drafts with a variant run here (`Eagle3Config.native_unsupported_reason`).
+drafts with a variant run only here (`Eagle3Config.native_unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import Eagle3Config
-
-DISABLE_NATIVE_ENV = "ELSI_FAST_DISABLE_NATIVE"
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -227,17 +225,6 @@ def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor], window: int
     return out.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
 
 
-def _native_module():
-    """`elsi_fast.draft.native`, or None when it is not importable (not built) or disabled by env."""
-    if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
-        return None
-    try:
-        from . import native
-    except ImportError:
-        return None
-    return native
-
-
 class Eagle3Draft(nn.Module):
     """EAGLE3 draft head for any number m >= 1 of target hidden states (`config.num_aux_layers`).
 
@@ -366,14 +353,12 @@ class Eagle3Draft(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, hidden: Tensor, token: Tensor, cache: DraftKVCache, from_target: bool,
-                    top_k: int = 1, use_native: bool | None = None) -> tuple[Tensor, Tensor]:
-        """One draft token.
+                    top_k: int = 1) -> tuple[Tensor, Tensor]:
+        """One draft token, in torch (the reference of the native `NativeDraftDecoder.step`).
 
         hidden: `[B, 1, m * target_hidden_size]` target features when `from_target`, else the
         previous step's `hidden_out` `[B, 1, d]`; token [B, 1]. Returns (target_token_ids [B, top_k]
-        int64, best first, mapped through d2t; hidden_out [B, 1, d]). The native fused op runs when
-        it is built and available for the device, unless `use_native=False` or the environment sets
-        ELSI_FAST_DISABLE_NATIVE=1; otherwise this torch path, which is its reference.
+        int64, best first, mapped through d2t; hidden_out [B, 1, d]).
         """
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.config.draft_vocab_size:
             raise ValueError(f"top_k must be an int in [1, {self.config.draft_vocab_size}], got {top_k!r}")
@@ -381,27 +366,10 @@ class Eagle3Draft(nn.Module):
             raise TypeError(f"decode_step: hidden must be a Tensor, got {type(hidden).__name__}")
         if hidden.dim() != 3 or hidden.shape[1] != 1:
             raise ValueError(f"decode_step: hidden must have shape [B, 1, features], got {list(hidden.shape)}")
-        native = _native_module() if use_native is not False else None
-        if native is not None and native.available(hidden.device):
-            return native.decode_step(self, hidden, token, cache, from_target=from_target, top_k=top_k)
-        if use_native:
-            raise ValueError(f"use_native=True but the native decode is not available for {hidden.device}")
         x = self.project(hidden) if from_target else hidden
         logits, hidden_out = self.forward(x, token, cache)
         draft_ids = logits[:, -1].topk(top_k, dim=-1).indices
         return self.draft_to_target(draft_ids), hidden_out
-
-    def decode_backend(self, device: torch.device | str | None = None) -> str:
-        """The path `decode_step` takes on `device` (default: the weights' device), with the reason
-        when it is the torch path, e.g. "torch eager (variant sliding_window=8: ...)"."""
-        device = self.fc.weight.device if device is None else torch.device(device)
-        if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
-            return f"torch eager ({DISABLE_NATIVE_ENV}=1)"
-        native = _native_module()
-        if native is None:
-            return "torch eager (native extension not importable)"
-        reason = self.config.native_unsupported_reason()
-        return native.describe(device) if reason is None else f"torch eager ({reason})"
 
     def ttt_forward(self, aux_hidden: Tensor, next_ids: Tensor, num_steps: int) -> list[Tensor]:
         """EAGLE3 training-time test over a whole sequence, no cache.

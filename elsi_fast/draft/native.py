@@ -12,27 +12,26 @@ do; int8 weights (per-output-row scales) multiply inputs quantized to int16 with
 columns (`quant.fake_quantize_activation`), ~250x finer than the weight rounding. CUDA (builds with
 a CUDA torch): bf16 weights, device-side token and position so a step can be captured in a CUDA graph.
 
-Two entry points:
-  * `decode_step(draft, ...)`: what `Eagle3Draft.decode_step` calls; runs on the module's own
-    row-major weights and its `DraftKVCache` (no copies), in the module's dtype.
-  * `NativeDraftDecoder(draft, weight_dtype, max_len)`: the fast path. Converts the weights once to
-    the chosen dtype (bf16 or int8 for memory-bound devices) in the packed layout (`pack_matrix`:
-    every product reads one sequential stream: 1.1-1.5x faster steps than row-major on Zen 4) and
-    owns an fp32 cache.
+The one entry point is `NativeDraftDecoder(draft, weight_dtype, max_len)`: it converts the weights
+once to the chosen dtype (bf16 or int8 for memory-bound devices), on the CPU in the packed layout
+(`pack_matrix`: every product reads one sequential stream: 1.1-1.5x faster steps than row-major on
+Zen 4), and owns an fp32 KV cache. `plan_decoder` answers "can this draft run natively, and how?"
+for everyone else (speculative decoding, evaluation, the CLI): the decoder, or the reason why not.
 """
 
 from __future__ import annotations
 
-import weakref
+import os
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from ..draft_names import DRAFT_WEIGHT_DTYPES
 from .quant import QUANTIZED_LINEARS, quantize_int8
 
 if TYPE_CHECKING:
-    from .model import DraftKVCache, Eagle3Draft
+    from .model import Eagle3Draft
 
 try:
     from elsi_fast import _C
@@ -42,7 +41,11 @@ except ImportError as exc:  # built with ELSI_FAST_SKIP_NATIVE=1, or not built a
 else:
     _IMPORT_ERROR = ""
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+WEIGHT_DTYPES = dict(zip(DRAFT_WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.int8)))
+# Module dtypes that run natively as they are when no weight dtype is asked for.
+_OWN_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# ELSI_FAST_DISABLE_NATIVE=1 forces the torch path at run time (build switches are in setup.py).
+DISABLE_NATIVE_ENV = "ELSI_FAST_DISABLE_NATIVE"
 # Argument order of the op's `weights` list.
 MATRIX_NAMES = tuple(f"{name}.weight" for name in QUANTIZED_LINEARS)
 # Rows of the op's `norms` [4, d].
@@ -96,9 +99,61 @@ def describe(device: torch.device | str) -> str:
     return f"torch eager (native extension built without {device.type} support)"
 
 
-def _require_native(device: torch.device) -> None:
+def _draft_device(draft) -> torch.device:
+    weight = getattr(getattr(draft, "fc", None), "weight", None)
+    return weight.device if isinstance(weight, Tensor) else torch.device("cpu")
+
+
+def _check_weight_dtype(value: str, argument: str) -> None:
+    if value not in WEIGHT_DTYPES:
+        raise ValueError(f"{argument}: expected one of {', '.join(DRAFT_WEIGHT_DTYPES)}, got {value!r}")
+
+
+def unavailable_reason(draft: "Eagle3Draft", weight_dtype: str) -> str | None:
+    """Why `draft` cannot run natively with `weight_dtype` weights ("fp32", "bf16", "int8"), or None.
+
+    In order: the draft is an `Eagle3Draft`; ELSI_FAST_DISABLE_NATIVE is not set; the extension is
+    built for the draft's device; CUDA takes bf16 weights only; the draft is the plain EAGLE3
+    layer (`Eagle3Config.native_unsupported_reason`: an architecture variant runs in torch)."""
+    from .model import Eagle3Draft
+
+    _check_weight_dtype(weight_dtype, "weight_dtype")
+    if not isinstance(draft, Eagle3Draft):
+        return f"the draft is a {type(draft).__name__}, not an Eagle3Draft"
+    if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
+        return f"{DISABLE_NATIVE_ENV}={os.environ[DISABLE_NATIVE_ENV]} is set"
+    device = _draft_device(draft)
     if not available(device):
-        raise ValueError(f"the native draft decode is not available on {device}: {describe(device)}")
+        return f"no native op for {device}: {describe(device)}"
+    if device.type == "cuda" and weight_dtype != "bf16":
+        return f"the CUDA kernel takes bf16 weights only, not {weight_dtype}"
+    return draft.config.native_unsupported_reason()
+
+
+def plan_decoder(draft: "Eagle3Draft", max_len: int, weight_dtype: str | None = None
+                 ) -> tuple["NativeDraftDecoder | None", str | None]:
+    """Can `draft` run natively, and how: (decoder, None), or (None, the reason it cannot).
+
+    weight_dtype: "fp32", "bf16", "int8", or None for the draft's own precision (fp32 or bf16;
+    other module dtypes are converted only when asked). max_len: positions of the decoder's KV
+    cache. The one place that decides; callers choose what a refusal means (speculative
+    decoding raises when a native path was asked for, else warns and runs torch)."""
+    if weight_dtype is not None:
+        _check_weight_dtype(weight_dtype, "draft_dtype")
+    dtype = weight_dtype
+    if dtype is None:
+        weight = getattr(getattr(draft, "fc", None), "weight", None)
+        dtype = _OWN_DTYPE.get(weight.dtype) if isinstance(weight, Tensor) else "fp32"
+        if dtype is None:
+            return None, (f"the draft's weights are {weight.dtype}, which the native kernels do not take as they are "
+                          f"(pass draft_dtype='fp32', 'bf16' or 'int8' to convert them)")
+    reason = unavailable_reason(draft, dtype)
+    if reason is not None:
+        return None, reason
+    try:
+        return NativeDraftDecoder(draft, weight_dtype=dtype, max_len=max_len), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def _as_token(token: int | Tensor, out: Tensor) -> Tensor:
@@ -112,25 +167,6 @@ def _as_token(token: int | Tensor, out: Tensor) -> Tensor:
     return out.fill_(token)
 
 
-class _ModuleExtras:
-    """Per-draft fp32 norms [4, d] for `decode_step`, rebuilt when a norm weight changes."""
-
-    def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def norms(self, draft: "Eagle3Draft") -> Tensor:
-        params = [draft.get_parameter(name) for name in NORM_NAMES]
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
-        hit = self._cache.get(draft)
-        if hit is None or hit[0] != key:
-            hit = (key, torch.stack([p.detach().float() for p in params]).contiguous())
-            self._cache[draft] = hit
-        return hit[1]
-
-
-_EXTRAS = _ModuleExtras()
-
-
 def _check_embedding(draft: "Eagle3Draft", device: torch.device) -> Tensor:
     if draft.embed_tokens is None:
         raise ValueError("Eagle3Draft has no token embedding: pass the target's embedding as embed_tokens=...")
@@ -138,61 +174,6 @@ def _check_embedding(draft: "Eagle3Draft", device: torch.device) -> Tensor:
     if embed.device != device:
         raise ValueError(f"embed_tokens is on {embed.device} but the inputs are on {device}")
     return embed
-
-
-def _kernel_takes(draft: "Eagle3Draft", dtype: torch.dtype, device: torch.device, cache: "DraftKVCache",
-                  top_k: int) -> bool:
-    """Whether the fused op accepts this module's weights, embedding and cache as they are."""
-    if draft.config.native_unsupported_reason() is not None:
-        return False
-    embed = draft.embed_tokens.weight if draft.embed_tokens is not None else None
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and cache.key.dtype == dtype and top_k <= MAX_CUDA_TOP_K and (
-            embed is None or embed.dtype in _ACT_DTYPES)
-    return dtype in _ACT_DTYPES and cache.key.dtype == dtype and (embed is None or embed.dtype in _ACT_DTYPES)
-
-
-def decode_step(draft: "Eagle3Draft", hidden: Tensor, token: Tensor, cache: "DraftKVCache", *,
-                from_target: bool, top_k: int = 1) -> tuple[Tensor, Tensor]:
-    """`Eagle3Draft.decode_step` through the fused op, on the module's weights and cache.
-
-    hidden [B, 1, m * d_t] (from_target) or [B, 1, d]; token [B, 1]; cache: the draft's
-    DraftKVCache (its length grows by one). Returns (target ids [B, top_k] int64, hidden_out
-    [B, 1, d] in the draft's dtype). Batch rows run one after another (batch-1 kernel). A draft
-    whose weights the kernel does not take (fp16 anywhere, or not bf16 on CUDA) runs the torch path.
-    """
-    weights = [draft.get_parameter(name).detach() for name in MATRIX_NAMES]
-    device = hidden.device
-    if not _kernel_takes(draft, weights[0].dtype, device, cache, top_k):
-        return draft.decode_step(hidden, token, cache, from_target, top_k, use_native=False)
-    _require_native(device)
-    config = draft.config
-    width = config.fc_in_features if from_target else config.hidden_size
-    if hidden.dim() != 3 or hidden.shape[1:] != (1, width):
-        raise ValueError(f"hidden must have shape [B, 1, {width}], got {list(hidden.shape)}")
-    if hidden.dtype != weights[0].dtype:
-        raise TypeError(f"hidden has dtype {hidden.dtype} but the draft weights are {weights[0].dtype}")
-    if not isinstance(token, Tensor) or token.shape != (hidden.shape[0], 1):
-        raise ValueError(f"token must be a Tensor of shape [{hidden.shape[0]}, 1]")
-    draft._check_cache(cache, hidden)
-    if cache.length >= cache.max_len:
-        raise ValueError(f"DraftKVCache overflow: {cache.length} cached + 1 new position exceed "
-                         f"max_len={cache.max_len}; allocate the cache with a larger max_len")
-    embed = _check_embedding(draft, device)
-    norms = _EXTRAS.norms(draft)
-    inv_freq = draft.rope_inv_freq(device)
-    position = torch.full((1,), cache.length, dtype=torch.int64, device=device)
-    tokens = token.to(torch.int64)
-    ids, outs = [], []
-    for b in range(hidden.shape[0]):
-        row_ids, row_hidden = _op()(
-            hidden[b, 0].contiguous(), tokens[b], position, cache.key[b], cache.value[b], embed, weights, [],
-            norms, inv_freq, draft.d2t, from_target, config.num_attention_heads, config.fc_in_features,
-            config.intermediate_size, config.rms_norm_eps, top_k)
-        ids.append(row_ids)
-        outs.append(row_hidden)
-    cache.length += 1
-    return torch.stack(ids), torch.stack(outs).unsqueeze(1)
 
 
 def pack_matrix(weight: Tensor) -> Tensor:
@@ -216,27 +197,28 @@ class NativeDraftDecoder:
 
     weight_dtype: "fp32" (CPU), "bf16" (CPU and CUDA) or "int8" (CPU; per-output-row scales,
     see `quant.quantize_int8`). The decoder holds its own copy of the matrices: on the CPU in the
-    packed layout (`pack_matrix`), on CUDA row-major (shared with `draft` when already bf16); the
-    norms are copied. Treat `draft` as frozen while a decoder uses it.
+    packed layout (`pack_matrix`; `packed=False` keeps fp32 / bf16 row-major, the layout of the
+    module itself and of the CUDA kernel, to measure what packing buys), on CUDA row-major (shared
+    with `draft` when already bf16); the norms are copied. Treat `draft` as frozen while a decoder
+    uses it.
     `step` writes cache slot `length` and advances it; `truncate(n)` rolls back rejected draft steps.
     """
 
-    def __init__(self, draft: "Eagle3Draft", weight_dtype: str = "bf16", max_len: int = 2048) -> None:
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    def __init__(self, draft: "Eagle3Draft", weight_dtype: str = "bf16", max_len: int = 2048, *,
+                 packed: bool = True) -> None:
+        _check_weight_dtype(weight_dtype, "weight_dtype")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int, got {max_len!r}")
         params = dict(draft.named_parameters())
         missing = [name for name in MATRIX_NAMES + NORM_NAMES if name not in params]
         if missing:
             raise ValueError(f"draft lacks the parameters {missing}; expected an Eagle3Draft")
-        reason = draft.config.native_unsupported_reason()
+        reason = unavailable_reason(draft, weight_dtype)
         if reason is not None:
             raise ValueError(f"NativeDraftDecoder cannot run this draft: {reason}")
         device = params[MATRIX_NAMES[0]].device
-        _require_native(device)
-        if device.type == "cuda" and weight_dtype != "bf16":
-            raise ValueError(f"the CUDA kernel takes bf16 weights, got weight_dtype={weight_dtype!r}")
+        if not packed and weight_dtype == "int8":
+            raise ValueError("packed=False: int8 weights are always packed (their scales follow the row groups)")
         config = draft.config
         embed = _check_embedding(draft, device)
         self.draft = draft  # kept for `prefill`, which runs the module's torch extend
@@ -253,7 +235,8 @@ class NativeDraftDecoder:
                 matrices = [params[name].detach().to(WEIGHT_DTYPES[weight_dtype]) for name in MATRIX_NAMES]
                 self._scales = []
             # The CPU kernels read packed row groups as one stream; the CUDA kernel reads row-major.
-            self._weights = [pack_matrix(m) if device.type == "cpu" else m.contiguous() for m in matrices]
+            pack = packed and device.type == "cpu"
+            self._weights = [pack_matrix(m) if pack else m.contiguous() for m in matrices]
             self._norms = torch.stack([params[name].detach().float() for name in NORM_NAMES]).contiguous()
         self._inv_freq = draft.rope_inv_freq(device).contiguous()
         self._d2t = draft.d2t.to(device=device, dtype=torch.int64).contiguous()

@@ -17,7 +17,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-# nn.Linear modules of Eagle3Draft whose weights the native int8 path quantizes (DESIGN.md section 5).
+# nn.Linear modules of Eagle3Draft whose weights the native int8 path quantizes (docs/method.md section 5).
 QUANTIZED_LINEARS = (
     "fc",
     "midlayer.self_attn.q_proj",

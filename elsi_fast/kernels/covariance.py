@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._rows import (
+from ._layer_table import (
     kept_rows,
     layer_table,
     load_rows,

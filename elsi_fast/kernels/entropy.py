@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._rows import check_kernel_tensor
+from ._layer_table import check_kernel_tensor
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

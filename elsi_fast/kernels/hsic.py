@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._rows import kept_rows, layer_dim, layer_table, load_rows, row_inv_norms, row_pointers, use_tensor_cores
+from ._layer_table import kept_rows, layer_dim, layer_table, load_rows, row_inv_norms, row_pointers, use_tensor_cores
 
 # Cap on the Gram-tile workspace: the tiles of all layers are produced and consumed in launches of
 # at most this size, whatever n is.

@@ -14,7 +14,7 @@ from elsi_fast.draft import Eagle3Config, Eagle3Draft
 
 
 def eagle3_tensor_shapes(d, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_d, m):
-    """Tensor names and shapes of an EAGLE3 draft checkpoint, as DESIGN.md section 5 lists them."""
+    """Tensor names and shapes of an EAGLE3 draft checkpoint, as docs/method.md section 5 lists them."""
     return {
         "fc.weight": (d, m * target_d),
         "midlayer.hidden_norm.weight": (d,),
@@ -151,7 +151,7 @@ def test_public_llama31_8b_style_checkpoint_loads(tmp_path):
     logits, hidden = run(draft)
     assert logits.shape == (1, 5, 40) and torch.isfinite(logits.float()).all()
     ids, _ = draft.decode_step(hidden[:, -1:], torch.tensor([[3]]), draft.new_cache(2), from_target=False,
-                               top_k=2, use_native=False)
+                               top_k=2)
     assert tensors["t2d"][ids].all()
 
 

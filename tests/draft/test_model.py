@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -230,8 +228,7 @@ def test_decode_step_topk_ids_and_d2t_remap_exact(top_k):
     aux, ids = random_inputs(cfg, 2, 5)
     cache = draft.new_cache(6, batch_size=2)
     _, hidden_out = draft.extend(aux[:, :4], ids[:, :4], cache)
-    target_ids, h = draft.decode_step(hidden_out[:, -1:], ids[:, 4:5], cache, from_target=False, top_k=top_k,
-                                      use_native=False)
+    target_ids, h = draft.decode_step(hidden_out[:, -1:], ids[:, 4:5], cache, from_target=False, top_k=top_k)
     assert target_ids.shape == (2, top_k) and target_ids.dtype == torch.int64
     ref = Reference(draft, embed)
     hidden_seq = torch.cat([draft.project(aux[:, :4]), hidden_out[:, -1:]], 1)
@@ -251,7 +248,7 @@ def test_decode_step_from_target_projects_first():
     cache_a, cache_b = draft.new_cache(3), draft.new_cache(3)
     draft.extend(aux[:, :2], ids[:, :2], cache_a)
     draft.extend(aux[:, :2], ids[:, :2], cache_b)
-    got, h = draft.decode_step(aux[:, 2:], ids[:, 2:], cache_a, from_target=True, top_k=3, use_native=False)
+    got, h = draft.decode_step(aux[:, 2:], ids[:, 2:], cache_a, from_target=True, top_k=3)
     logits, h_ref = draft.extend(aux[:, 2:], ids[:, 2:], cache_b)
     assert got.tolist() == draft.draft_to_target(logits[:, -1].topk(3).indices).tolist()
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
@@ -386,23 +383,6 @@ def test_llama3_rope_scaling_matches_transformers():
     assert not torch.allclose(got, plain)  # the scaled band really differs
 
 
-def test_native_dispatch_and_env_override(monkeypatch):
-    cfg = make_config(m=1)
-    draft, _ = make_draft(cfg)
-    aux, ids = random_inputs(cfg, 1, 2)
-    calls = []
-    fake = types.ModuleType("elsi_fast.draft.native")
-    fake.available = lambda device: True
-    fake.decode_step = lambda *args, **kwargs: calls.append(kwargs) or ("native", None)
-    monkeypatch.setitem(sys.modules, "elsi_fast.draft.native", fake)
-    monkeypatch.setattr("elsi_fast.draft.native", fake, raising=False)
-    assert draft.decode_step(aux[:, :1], ids[:, :1], draft.new_cache(2), from_target=True)[0] == "native"
-    assert calls == [{"from_target": True, "top_k": 1}]
-    monkeypatch.setenv("ELSI_FAST_DISABLE_NATIVE", "1")
-    target_ids, _ = draft.decode_step(aux[:, :1], ids[:, :1], draft.new_cache(2), from_target=True)
-    assert isinstance(target_ids, torch.Tensor) and len(calls) == 1
-
-
 def test_ttt_gradients_reach_every_trainable_weight_but_not_the_embedding():
     cfg = make_config(m=2)
     draft, _ = make_draft(cfg, dtype=torch.float32)
@@ -462,22 +442,18 @@ def test_variant_matches_reference_and_changes_the_math(name):
 
 
 @pytest.mark.parametrize("name", ["norm_feedback", "speculators_defaults", "qk_norm"])
-def test_variant_decode_bypasses_native_op_and_matches_torch(name, monkeypatch):
+def test_variant_drafts_are_refused_by_the_native_plan(name, monkeypatch):
     """fp32 weights, which the native op would take: a variant draft must still decode on the torch
-    path (the op implements the plain layer) and say so."""
-    monkeypatch.delenv("ELSI_FAST_DISABLE_NATIVE", raising=False)
+    path (the op implements the plain layer), and the plan says why."""
+    from elsi_fast.draft import native
+
+    monkeypatch.delenv(native.DISABLE_NATIVE_ENV, raising=False)
     cfg = make_config(m=2, **VARIANTS[name])
     draft, _ = make_draft(cfg, dtype=torch.float32)
-    assert draft.decode_backend("cpu").startswith("torch eager (variant ")
-    aux, ids = random_inputs(cfg, 1, 4, dtype=torch.float32)
-    cache_a, cache_b = draft.new_cache(4), draft.new_cache(4)
-    got_a, h_a = draft.decode_step(aux[:, :1], ids[:, :1], cache_a, from_target=True, top_k=3)
-    got_b, h_b = draft.decode_step(aux[:, :1], ids[:, :1], cache_b, from_target=True, top_k=3, use_native=False)
-    for _ in range(2):
-        got_a, h_a = draft.decode_step(h_a, ids[:, 1:2], cache_a, from_target=False, top_k=3)
-        got_b, h_b = draft.decode_step(h_b, ids[:, 1:2], cache_b, from_target=False, top_k=3, use_native=False)
-        assert got_a.tolist() == got_b.tolist()
-        torch.testing.assert_close(h_a, h_b, rtol=0, atol=0)
+    decoder, reason = native.plan_decoder(draft, 8)
+    assert decoder is None and reason == cfg.native_unsupported_reason() and reason.startswith("variant ")
+    with pytest.raises(ValueError, match="NativeDraftDecoder cannot run this draft: variant "):
+        native.NativeDraftDecoder(draft, "fp32", 8)
     assert make_config(m=2).native_unsupported_reason() is None
 
 

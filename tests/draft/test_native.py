@@ -1,4 +1,4 @@
-"""The fused native draft decode step against an independent float64 reference of DESIGN.md section 5,
+"""The fused native draft decode step against an independent float64 reference of docs/method.md section 5,
 and against Eagle3Draft's own torch path."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Shape:
 def reference_decode(params: dict[str, torch.Tensor], shape: Shape, rope_theta: float, eps: float,
                      steps: list[tuple[torch.Tensor, int, bool]], dtype: torch.dtype = torch.float64,
                      product_input=None):
-    """DESIGN.md section 5 written out directly, one token at a time with a growing KV cache.
+    """docs/method.md section 5 written out directly, one token at a time with a growing KV cache.
 
     params: state-dict names (plus "embed"); steps: (input, token, from_target) with input [m*d_t]
     or [d]. Computes in `dtype` (float64: the reference; bfloat16: torch's own bf16 computation).
@@ -252,31 +252,30 @@ def test_top_k_and_d2t_exact_with_separated_logits():
 
 # ----------------------------------------------------------------------------- against Eagle3Draft
 @requires_native
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_step_matches_torch_path_over_growing_cache(dtype):
-    """Eagle3Draft.decode_step (native) against its torch path, each feeding back its own hidden."""
+def test_decoder_matches_torch_path_over_growing_cache(dtype, packed):
+    """NativeDraftDecoder in the module's own precision, packed or row-major (the module's layout,
+    and the CUDA kernel's), against Eagle3Draft.decode_step, each feeding back its own hidden."""
     shape = SHAPES["gqa"]
     draft = make_draft(shape, seed=9).to(dtype)
-    batch, n_steps = 2, 12
+    n_steps = 12
     gen = torch.Generator().manual_seed(10)
-    aux = torch.randn(batch, 1, draft.config.fc_in_features, generator=gen).to(dtype)
-    tokens = torch.randint(shape.vocab, (n_steps, batch, 1), generator=gen)
-    caches = {use: draft.new_cache(n_steps, batch_size=batch) for use in (True, False)}
-    hidden = {use: aux for use in (True, False)}
+    aux = torch.randn(1, 1, draft.config.fc_in_features, generator=gen).to(dtype)
+    tokens = torch.randint(shape.vocab, (n_steps, 1, 1), generator=gen)
+    cache = draft.new_cache(n_steps)
+    decoder = native.NativeDraftDecoder(draft, "fp32" if dtype == torch.float32 else "bf16", n_steps, packed=packed)
+    hidden, ref_hidden = aux, aux
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i in range(n_steps):
-        out = {}
-        for use in (True, False):
-            out[use] = draft.decode_step(hidden[use], tokens[i], caches[use], from_target=i == 0, top_k=2,
-                                         use_native=use)
-            hidden[use] = out[use][1]
-        assert out[True][1].dtype == dtype and out[True][1].shape == (batch, 1, shape.hidden)
-        assert rel_err(out[True][1].float(), out[False][1].double()) < tol
+        ids, hidden = decoder.step(hidden, tokens[i], from_target=i == 0, top_k=2)
+        ref_ids, ref_hidden = draft.decode_step(ref_hidden, tokens[i], cache, from_target=i == 0, top_k=2)
+        assert hidden.dtype == dtype and hidden.shape == (shape.hidden,)
+        assert rel_err(hidden.float(), ref_hidden.flatten().double()) < tol
         if dtype == torch.float32:
-            assert torch.equal(out[True][0], out[False][0])
-        assert caches[True].length == caches[False].length == i + 1
-    # the native path wrote the module's own cache
-    assert rel_err(caches[True].key.float(), caches[False].key.double()) < tol
+            assert torch.equal(ids, ref_ids[0])
+        assert decoder.length == cache.length == i + 1
+    assert rel_err(decoder._k_cache.float(), cache.key[0].double()) < tol
 
 
 @requires_native
@@ -307,12 +306,12 @@ def test_decoder_matches_module_in_free_running_decode():
     aux = torch.randn(1, 1, draft.config.fc_in_features, generator=gen)
     cache = draft.new_cache(20)
     decoder = native.NativeDraftDecoder(draft, "fp32", max_len=20)
-    ref_ids, ref_hidden = draft.decode_step(aux, torch.tensor([[3]]), cache, from_target=True, use_native=False)
+    ref_ids, ref_hidden = draft.decode_step(aux, torch.tensor([[3]]), cache, from_target=True)
     ids, hidden = decoder.step(aux, 3, from_target=True)
     for _ in range(19):
         assert torch.equal(ids, ref_ids[0])
         assert rel_err(hidden, ref_hidden.flatten().double()) < 1e-5
-        ref_ids, ref_hidden = draft.decode_step(ref_hidden, ref_ids, cache, from_target=False, use_native=False)
+        ref_ids, ref_hidden = draft.decode_step(ref_hidden, ref_ids, cache, from_target=False)
         ids, hidden = decoder.step(hidden, ids, from_target=False)
     decoder.truncate(5)
     assert decoder.length == 5
@@ -442,9 +441,8 @@ def test_dtype_and_device_mismatches_raise(small):
         decoder.step(aux, draft.config.vocab_size, True)
     with pytest.raises(ValueError, match="weight_dtype"):
         native.NativeDraftDecoder(draft, "fp8")
-    with pytest.raises(TypeError, match="hidden has dtype"):
-        native.decode_step(draft, aux.view(1, 1, -1).bfloat16(), torch.tensor([[1]]), draft.new_cache(2),
-                           from_target=True)
+    with pytest.raises(ValueError, match="int8 weights are always packed"):
+        native.NativeDraftDecoder(draft, "int8", packed=False)
 
 
 # ----------------------------------------------------------------------------- dispatch, tracing, build
@@ -515,22 +513,22 @@ def test_cuda_matches_torch_bf16_path():
 
 @requires_native
 @pytest.mark.gpu
-def test_cuda_decode_step_on_bf16_module_and_graph_replay():
-    """decode_step on a bf16 module (bf16 cache and activations) against its torch path, and one
-    NativeDraftDecoder step captured in a CUDA graph replaying exactly what the launched op computes."""
+def test_cuda_decoder_on_bf16_module_and_graph_replay():
+    """NativeDraftDecoder on a bf16 CUDA module against the module's torch decode_step, and one
+    step captured in a CUDA graph replaying exactly what the launched op computes."""
     if not native.available("cuda"):
         pytest.skip(f"no CUDA build: {native.describe('cuda')}")
     draft = make_draft(SHAPES["mha_m3"], seed=16).to("cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(17)
-    hidden = {use: torch.randn(2, 1, draft.config.fc_in_features, generator=gen).to("cuda", torch.bfloat16)
-              for use in (True, False)}
-    tokens = torch.randint(draft.config.vocab_size, (6, 2, 1), generator=gen).cuda()
-    caches = {use: draft.new_cache(6, batch_size=2) for use in (True, False)}
+    aux = torch.randn(1, 1, draft.config.fc_in_features, generator=gen).to("cuda", torch.bfloat16)
+    tokens = torch.randint(draft.config.vocab_size, (6, 1, 1), generator=gen).cuda()
+    cache = draft.new_cache(6)
+    decoder = native.NativeDraftDecoder(draft, "bf16", max_len=6)
+    hidden, ref_hidden = aux, aux
     for i in range(6):
-        out = {use: draft.decode_step(hidden[use], tokens[i], caches[use], from_target=i == 0, use_native=use)
-               for use in (True, False)}
-        assert rel_err(out[True][1].float().cpu(), out[False][1].double().cpu()) < 3e-2
-        hidden = {use: out[use][1] for use in (True, False)}
+        _, hidden = decoder.step(hidden, tokens[i], from_target=i == 0)
+        _, ref_hidden = draft.decode_step(ref_hidden, tokens[i], cache, from_target=i == 0)
+        assert rel_err(hidden.float().cpu(), ref_hidden.flatten().double().cpu()) < 3e-2
 
     decoder = native.NativeDraftDecoder(draft, "bf16", max_len=4)
     x = torch.randn(draft.config.fc_in_features, device="cuda")

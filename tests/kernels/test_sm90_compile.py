@@ -22,7 +22,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from elsi_fast.kernels import _rows, covariance, entropy, hsic
+from elsi_fast.kernels import _layer_table, covariance, entropy, hsic
 
 ROWS = dict(x0="*bf16", offsets="*i64", row_strides="*i64", dims="*i64", rows="*i64")
 
@@ -68,7 +68,7 @@ out["hsic_col_sums"] = compile_ptx(
     hsic._col_sum_kernel, dict(ROWS, inv_norm="*fp32", out="*fp32"),
     dict(HAS_ROWS=True, NORMALIZE=True, ALIGN=8, BLOCK_R=32, BLOCK_D=256))
 out["row_inv_norms"] = compile_ptx(
-    _rows._inv_norm_kernel, dict(ROWS, inv_out="*fp32"), dict(HAS_ROWS=False, ALIGN=8, BLOCK_R=16, BLOCK_D=256))
+    _layer_table._inv_norm_kernel, dict(ROWS, inv_out="*fp32"), dict(HAS_ROWS=False, ALIGN=8, BLOCK_R=16, BLOCK_D=256))
 for final in (True, False):
     out[f"token_entropy_final_{final}"] = compile_ptx(
         entropy._entropy_kernel, dict(x="*bf16", row_offsets="*i64", stats="*fp32", out="*fp32"),

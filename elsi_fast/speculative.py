@@ -15,18 +15,18 @@ cache to the accepted prefix, truncates the draft cache back to S-1 entries and 
 with the target's real features of the accepted positions.
 
 Draft paths. Native (`draft.native.NativeDraftDecoder`, weights in fp32, bf16 or int8): every
-draft position is one fused decode step, the prompt prefill and the re-extension over accepted
-positions included (a loop of `from_target=True` steps; the decoder owns its KV cache, so a torch
-multi-token extend cannot write into it). Torch: `Eagle3Draft.extend` over each run of target
-positions and the torch `decode_step` for every draft-fed proposal. `SpecResult.draft_calls`
-counts what ran.
+proposal and the re-extension over the 1 .. k+1 accepted positions are fused decode steps (a loop
+of `from_target=True` steps for the latter); a prompt longer than `NATIVE_EXTEND_MAX` tokens is
+prefilled by one torch extend of the draft module whose keys and values go into the decoder's
+cache (`NativeDraftDecoder.prefill`). Whether a draft runs natively is `draft.native.plan_decoder`'s
+answer. Torch: `Eagle3Draft.extend` over each run of target positions and the torch `decode_step`
+for every draft-fed proposal. `SpecResult.draft_calls` counts what ran.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import time
 import warnings
 from collections import Counter
@@ -35,20 +35,17 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from .capture import capture_hidden_states
+from .draft_names import DRAFT_BACKENDS
 
 if TYPE_CHECKING:
     from .draft import Eagle3Draft
     from .draft.native import NativeDraftDecoder
 
-DRAFT_DTYPES = ("fp32", "bf16", "int8")
-DRAFT_BACKENDS = ("auto", "native", "torch")
-# Draft module dtypes the native kernels take as they are (auto mode keeps the draft's precision).
 # Longest span of target positions the native path extends by single fused steps; longer spans (the
 # prompt prefill) run as one torch extend. Measured at d=1024 (bench/bench_spec_e2e.py): a loop of
 # native steps wins up to 2 positions in fp32 and 5 in int8, the torch GEMM from 5-8 on; k+1
 # accepted positions (k <= 7) therefore stay native and prompts of more than 8 tokens do not.
 NATIVE_EXTEND_MAX = 8
-_NATIVE_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclasses.dataclass
@@ -158,7 +155,7 @@ class _TorchDraftPath:
     def step(self, hidden: torch.Tensor, token: int) -> tuple[int, torch.Tensor]:
         """One draft-fed position: (hidden [1, 1, d], its pair token) -> (next target id, hidden)."""
         ids = torch.tensor([[token]], dtype=torch.long, device=hidden.device)
-        ids, hidden = self.draft.decode_step(hidden, ids, self.cache, from_target=False, use_native=False)
+        ids, hidden = self.draft.decode_step(hidden, ids, self.cache, from_target=False)
         self.steps += 1
         return int(ids[0, 0]), hidden
 
@@ -221,39 +218,6 @@ class _NativeDraftPath:
         return f"{native.describe(self.decoder.device)} {self.decoder.weight_dtype}: {self.steps} steps{prefill}"
 
 
-def _draft_device(draft) -> torch.device:
-    weight = getattr(getattr(draft, "fc", None), "weight", None)
-    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
-
-
-def native_unavailable_reason(draft, weight_dtype: str) -> str | None:
-    """Why `draft` cannot run natively with `weight_dtype` weights, or None when it can.
-
-    Checks, in order: the draft is an `Eagle3Draft`; ELSI_FAST_DISABLE_NATIVE is not set; the
-    extension is built for the draft's device; CUDA takes bf16 weights only; and the draft's config
-    does not name an architecture variant the fused op lacks (`Eagle3Config.native_unsupported_reason()`
-    when the config has that method).
-    """
-    from .draft import Eagle3Draft
-    from .draft.model import DISABLE_NATIVE_ENV
-
-    if not isinstance(draft, Eagle3Draft):
-        return f"the draft is a {type(draft).__name__}, not an Eagle3Draft"
-    if os.environ.get(DISABLE_NATIVE_ENV, "") not in ("", "0"):
-        return f"{DISABLE_NATIVE_ENV}={os.environ[DISABLE_NATIVE_ENV]} is set"
-    from .draft import native
-
-    device = _draft_device(draft)
-    if not native.available(device):
-        return f"no native op for {device}: {native.describe(device)}"
-    if device.type == "cuda" and weight_dtype != "bf16":
-        return f"the CUDA kernel takes bf16 weights only, not {weight_dtype}"
-    variant_reason = getattr(draft.config, "native_unsupported_reason", None)
-    if callable(variant_reason):
-        return variant_reason()
-    return None
-
-
 def native_decoder_for(
     draft: "Eagle3Draft",
     max_len: int,
@@ -271,32 +235,17 @@ def native_decoder_for(
     """
     if draft_backend not in DRAFT_BACKENDS:
         raise ValueError(f"draft_backend: expected one of {DRAFT_BACKENDS}, got {draft_backend!r}")
-    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
-        raise ValueError(f"draft_dtype: expected one of {DRAFT_DTYPES} or None, got {draft_dtype!r}")
     if draft_backend == "torch":
         if draft_dtype is not None:
             raise ValueError(f"draft_dtype={draft_dtype!r} selects native weights, but draft_backend='torch' "
                              "runs the draft module in its own dtype; drop one of them")
         return None
-    required = draft_dtype is not None or draft_backend == "native"
-    weight = getattr(getattr(draft, "fc", None), "weight", None)
-    dtype = draft_dtype
-    if dtype is None and isinstance(weight, torch.Tensor):
-        dtype = _NATIVE_DTYPE_OF.get(weight.dtype)
-    if dtype is None:
-        reason = (f"the draft's weights are {weight.dtype}, which the native kernels do not take as they are "
-                  "(pass draft_dtype='fp32', 'bf16' or 'int8' to convert them)") if isinstance(weight, torch.Tensor) \
-            else native_unavailable_reason(draft, "fp32")
-    else:
-        reason = native_unavailable_reason(draft, dtype)
-    if reason is None:
-        from .draft.native import NativeDraftDecoder
+    from .draft.native import plan_decoder
 
-        try:
-            return NativeDraftDecoder(draft, weight_dtype=dtype, max_len=max_len)
-        except ValueError as exc:
-            reason = str(exc)
-    if required:
+    decoder, reason = plan_decoder(draft, max_len, draft_dtype)
+    if decoder is not None:
+        return decoder
+    if draft_dtype is not None or draft_backend == "native":
         raise ValueError(f"draft_dtype={draft_dtype!r} (draft_backend={draft_backend!r}): the native draft "
                          f"decode cannot run: {reason}")
     warnings.warn(f"speculative decoding runs the draft in torch, not natively: {reason}", stacklevel=3)

@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from elsi_fast import targets
-from elsi_fast.targets import (
+from elsi_fast import toy_targets as targets
+from elsi_fast.loading import load_model
+from elsi_fast.toy_targets import (
     DEMO,
     EOS_TOKEN,
     TargetRecipe,
     build_target,
     heldout_texts,
-    load_target,
     recipe_key,
     training_texts,
 )
@@ -53,7 +53,7 @@ def test_training_is_deterministic_and_reloads(tmp_path, corpus):
         assert torch.equal(w1[name], w2[name]), name
     assert (first / "tokenizer.json").read_text() == (second / "tokenizer.json").read_text()
 
-    model, tokenizer = load_target(first)
+    model, tokenizer = load_model(first, device="cpu", dtype="float32")
     assert type(model).__name__ == "LlamaForCausalLM" and not model.training
     assert isinstance(tokenizer, PreTrainedTokenizerFast)
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(tokenizer)

@@ -18,7 +18,6 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import sysconfig
@@ -26,6 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from .cache import cache_root
+from .state_files import load_state, save_state
+from .training_data import token_stream
 
 # Bump when the training procedure changes in a way the recipe fields do not capture.
 _RECIPE_FORMAT = 1
@@ -99,20 +102,6 @@ DEMO = TargetRecipe(
     num_attention_heads=4, num_key_value_heads=2, steps=300, batch_size=16, seq_len=128, lr=3e-3,
     warmup=30, max_chars=2_000_000,
 )
-
-
-def warmup_cosine(step: int, warmup: int, steps: int) -> float:
-    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 10%."""
-    if step < warmup:
-        return (step + 1) / warmup
-    frac = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * frac))
-
-
-def cache_root() -> Path:
-    """``$ELSI_FAST_CACHE`` if set, else ``~/.cache/elsi-fast``."""
-    root = os.environ.get("ELSI_FAST_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "elsi-fast"
 
 
 def _documents(recipe: TargetRecipe) -> list[str]:
@@ -193,15 +182,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def _token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
-
-
 def _llama_config(recipe: TargetRecipe, tokenizer):
     from transformers import LlamaConfig
 
@@ -231,6 +211,7 @@ def train_target(
     from transformers import LlamaForCausalLM
 
     from .interrupt import DeferredInterrupt
+    from .train import warmup_cosine
 
     start = time.perf_counter()
     out = Path(out_dir)
@@ -238,7 +219,7 @@ def train_target(
     state_path = out / TRAIN_STATE_FILE
     texts = training_texts(recipe)
     tokenizer = train_tokenizer(texts, recipe.vocab_size)
-    stream = _token_stream(tokenizer, texts)
+    stream = token_stream(tokenizer, texts)
     window = recipe.seq_len + 1
     if stream.numel() < window:
         raise ValueError(f"TargetRecipe: the text has {stream.numel()} tokens, fewer than seq_len + 1 = {window}")
@@ -260,7 +241,7 @@ def train_target(
     # The stream's hash guards against a tokenizer that trained differently since the state was saved.
     identity = {"key": recipe_key(recipe), "stream": hashlib.sha256(stream.numpy().tobytes()).hexdigest()}
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
+        state = load_state(state_path, "the toy target's training state")
         if state["identity"] == identity:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -269,10 +250,8 @@ def train_target(
             losses = list(state["losses"])
 
     def save() -> None:
-        tmp = state_path.with_name(state_path.name + ".tmp")
-        torch.save({"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "generator": gen.get_state(), "losses": losses}, tmp)
-        os.replace(tmp, state_path)
+        save_state({"identity": identity, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "generator": gen.get_state(), "losses": losses}, state_path)
 
     bar = tqdm(total=recipe.steps, initial=len(losses),
                desc=f"train target {recipe.name} (threads: {torch.get_num_threads()})", disable=not progress)

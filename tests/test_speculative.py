@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
-from elsi_fast.draft.model import DISABLE_NATIVE_ENV
-from elsi_fast.spec import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
+from elsi_fast.draft.native import DISABLE_NATIVE_ENV
+from elsi_fast.speculative import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
 
 requires_native = pytest.mark.skipif(not native.available("cpu"),
                                      reason=f"native extension not built: {native.describe('cpu')}")
@@ -122,8 +122,8 @@ class OracleDraft:
             cache.aux.append(aux[0, t])
         return self._one_hot(self._propose(cache)), torch.zeros(1, ids.shape[1], 4)
 
-    def decode_step(self, hidden, token, cache, from_target, top_k=1, use_native=None):
-        assert use_native is False and not from_target and hidden.shape == (1, 1, 4) and token.shape == (1, 1)
+    def decode_step(self, hidden, token, cache, from_target, top_k=1):
+        assert not from_target and hidden.shape == (1, 1, 4) and token.shape == (1, 1)
         cache.tokens.append(int(token))
         cache.aux.append(None)
         return torch.tensor([[self._propose(cache)]]), hidden
@@ -364,10 +364,12 @@ def test_a_decoder_is_reused_across_calls():
 @requires_native
 def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     from elsi_fast.cli import main
-    from elsi_fast.cli.draft import prompts_by_category
+    from elsi_fast.prompts import prompts_by_category
     from elsi_fast.prompts import load_prompts
-    from elsi_fast.targets import TargetRecipe, build_target, load_target
-    from elsi_fast.train import draft_config_for, speculative_runs
+    from elsi_fast.loading import load_model
+    from elsi_fast.toy_targets import TargetRecipe, build_target
+    from elsi_fast.evaluation import speculative_runs
+    from elsi_fast.train import draft_config_for
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -377,7 +379,7 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
                           intermediate_size=24, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                           seq_len=16, batch_size=2, steps=2, warmup=1)
     target_dir = build_target(recipe, cache_dir=tmp_path / "cache", progress=False)
-    model, tokenizer = load_target(target_dir)
+    model, tokenizer = load_model(target_dir, device="cpu", dtype="float32")
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_config_for(model, [2], 64), model.get_input_embeddings().weight.detach())
     for param in draft.parameters():
