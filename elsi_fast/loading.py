@@ -113,8 +113,14 @@ def _blocks_from_config(config: Path, argument: str) -> int | None:
 
 def inspect_gguf(path: Path, argument: str = "model") -> Source:
     """Check a GGUF model file: magic, a readable header, every tensor inside the file (a truncated
-    download fails here, not halfway through dequantizing) and an architecture with a block count."""
+    download fails here, not halfway through dequantizing) and an architecture with a block count.
+    A file already dequantized into the cache was checked then: its folder answers (the full
+    header parse takes ~7 s for SmolLM2's vocabulary arrays)."""
     path = Path(path)
+    cached = _cached_folder(path)
+    if cached is not None:
+        marker = json.loads((cached / _DEQUANTIZED_MARKER).read_text())
+        return Source("gguf", path, _blocks_from_config(cached / "config.json", argument), marker.get("architecture"))
     if _read_magic(path) != _GGUF_MAGIC:
         raise ValueError(f"{argument}: {path} is not a GGUF file (no GGUF magic); give a .gguf model file")
     try:
@@ -213,17 +219,30 @@ def _file_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _folder_for(path: Path) -> Path:
+    return cache_root() / "dequantized" / f"{path.stem}-{_file_key(path)}"
+
+
+def _cached_folder(path: Path) -> Path | None:
+    """The complete dequantized folder of this exact file in the cache, or None."""
+    if not path.is_file():
+        return None
+    folder = _folder_for(path)
+    return folder if (folder / _DEQUANTIZED_MARKER).is_file() else None
+
+
 def dequantized_folder(gguf_path: str | os.PathLike, argument: str = "model", *, progress: bool = True) -> Path:
     """The GGUF file as a plain transformers folder in float32 (exact: quantized values are
     scale x integer), written once into the cache and checked to reload to the same logits.
 
     transformers' GGUF reader is the reference dequantizer; an architecture it does not support is
     a ValueError naming `argument`."""
+    cached = _cached_folder(Path(gguf_path))
+    if cached is not None:
+        return cached
     source = inspect_gguf(Path(gguf_path), argument)
     key = _file_key(source.path)
-    final = cache_root() / "dequantized" / f"{source.path.stem}-{key}"
-    if (final / _DEQUANTIZED_MARKER).is_file():
-        return final
+    final = _folder_for(source.path)
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -39,7 +39,9 @@ class LayerReport:
     Shannon entropy would cost one eigensolve per pair and prompt); set_entropy: f, the prompt-mode
     Shannon entropy of a layer set's concatenation, and set_renyi2 its Renyi-2 counterpart
     (available in the session that ran `analyze`, not after `from_json`; a repeated layer counts
-    once). timing: pass_seconds, selection_seconds (everything after the pass).
+    once); prompt_store: that session's `prompt_store.PromptModeStore` (per-prompt statistics, e.g.
+    to select on a subset of the prompts). timing: pass_seconds, selection_seconds (everything
+    after the pass).
     """
 
     model: str
@@ -62,6 +64,7 @@ class LayerReport:
     timing: dict = field(default_factory=dict)
     set_entropy: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
     set_renyi2: Callable[[Sequence[tuple[int, ...]]], np.ndarray] | None = field(default=None, repr=False)
+    prompt_store: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # A report from an older version lacks newer settings: they take today's defaults.
@@ -282,6 +285,7 @@ class LayerReport:
         for boundary in self.boundaries:
             ax.axhline(boundary - 0.5, color="white", lw=1.5)
             ax.axvline(boundary - 0.5, color="white", lw=1.5)
+        _layer_ticks(ax, self.num_layers, "xy")
         ax.set_xlabel("layer")
         ax.set_ylabel("layer")
         ax.set_title("linear CKA (lines: compartment boundaries)", fontsize=9)
@@ -295,6 +299,7 @@ class LayerReport:
             bound = max(float(np.abs(gain).max()), 1e-12)
             fig, ax = plt.subplots(figsize=(4.6, 4), dpi=90)
             image = ax.imshow(gain, cmap="RdBu", norm=TwoSlopeNorm(0.0, -bound, bound), origin="upper")
+            _layer_ticks(ax, self.num_layers, "xy")
             ax.set_xlabel("added layer b")
             ax.set_ylabel("first layer a")
             ax.set_title("pair gain H2({a,b}) - H2({a}) (Renyi-2, nats)", fontsize=9)
@@ -306,7 +311,6 @@ class LayerReport:
     def _plot_entropy(self, plt):
         """Prompt-mode and dataset-mode entropy in two panels (two scales, never one axis shared),
         and below them the chosen layers, one row per method, so no marker hides another."""
-        index = np.arange(self.num_layers)
         mean = np.array([e["entropy_prompt_mean"] for e in self.layers])
         std = np.array([e["entropy_prompt_std"] for e in self.layers])
         dataset = np.array([e["entropy_dataset"] for e in self.layers])
@@ -334,7 +338,7 @@ class LayerReport:
         bottom.set_yticks(range(len(rows)), [label for label, *_ in rows], fontsize=7)
         bottom.set_ylim(len(rows) - 0.5, -0.5)
         bottom.grid(axis="x", alpha=0.3)
-        bottom.set_xticks(index)
+        _layer_ticks(bottom, self.num_layers, "x")
         bottom.set_xlabel("layer l (h_0 = embeddings, h_l = input of block l)")
         for ax in (top, middle):
             ax.grid(alpha=0.3)
@@ -343,6 +347,29 @@ class LayerReport:
         fig.align_ylabels()
         fig.tight_layout(h_pad=0.4)
         return fig
+
+def _layer_stride(num_layers: int) -> int:
+    """Tick stride that keeps about 12 labels or fewer, on a round step (1, 2, 5, 10, ...)."""
+    for stride in (1, 2, 5, 10, 20, 50, 100):
+        if num_layers / stride <= 12:
+            return stride
+    return -(-num_layers // 12)
+
+
+def _layer_ticks(ax, num_layers: int, axes: str) -> None:
+    """Integer layer ticks 0, s, 2s, ... (and the last layer) on the named axes, so labels of a
+    30-block model neither overlap nor fall between layers."""
+    stride = _layer_stride(num_layers)
+    ticks = list(range(0, num_layers, stride))
+    if num_layers - 1 - ticks[-1] >= max(2, stride // 2):
+        ticks.append(num_layers - 1)
+    if "x" in axes:
+        ax.set_xticks(ticks)
+        ax.set_xticks(range(num_layers), minor=True)
+    if "y" in axes:
+        ax.set_yticks(ticks)
+        ax.set_yticks(range(num_layers), minor=True)
+
 
 def _plot_over_depth(ax, values: np.ndarray, style: str, color: str, band: np.ndarray | None = None) -> None:
     """values[l] over l = 0..N, with an optional +-band. When h_0 (the embeddings) lies far outside

@@ -45,3 +45,19 @@ def python_ctrl_c_handler():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+# The two real pretrained targets (elsi_fast.catalog), loaded once per session: the first load in a
+# fresh cache dequantizes the GGUF file (about 1 minute for SmolLM2, 3 for Gemma 3 on 2 cores).
+@pytest.fixture(scope="session")
+def smollm2():
+    from elsi_fast.loading import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from elsi_fast.loading import load_model
+
+    return load_model("gemma3-270m", device="cpu", dtype="float32", progress=False)

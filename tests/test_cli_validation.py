@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from elsi_fast import catalog
 from elsi_fast.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
 from elsi_fast.toy_targets import TargetRecipe, build_target
 
@@ -44,6 +45,12 @@ def _bad_inputs(t: dict, tmp) -> list[tuple[list[str], str]]:
     truncated.write_text('{"model": "tiny", "num_hidden_layers": 3, "lay')
     no_config = tmp / "no-config"
     no_config.mkdir()
+    not_gguf = tmp / "not-a-model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip file named .gguf")
+    smollm2 = catalog.resolve("smollm2-135m-instruct")
+    truncated_gguf = tmp / "truncated.gguf"
+    with open(smollm2, "rb") as f:
+        truncated_gguf.write_bytes(f.read(1 << 20))
     out = str(tmp / "out")
     analyze = ["analyze", "--model", t["target"], "--prompts", t["prompts"], "--out", out, "--no-progress", "--m", "1", "2"]
     train = ["train-draft", "--target", t["target"], "--data", t["data"], "--out", out, "--no-progress"]
@@ -65,6 +72,11 @@ def _bad_inputs(t: dict, tmp) -> list[tuple[list[str], str]]:
         (["analyze", "--model", "./missing-model"] + analyze[3:], "--model: no such file or folder"),
         (["analyze", "--model", str(no_config)] + analyze[3:], "--model: folder"),
         (["analyze", "--model", str(a_file)] + analyze[3:], "--model:"),  # a file, not a llama2.c checkpoint
+        (["analyze", "--model", str(not_gguf)] + analyze[3:], "--model: " + str(not_gguf) + " is not a GGUF file"),
+        (["analyze", "--model", str(truncated_gguf)] + analyze[3:], "--model: "),
+        (["analyze", "--model", str(smollm2)] + analyze[3:] + ["--m", "30"], "--m: each set size must be at most 29"),
+        (["analyze", "--model", "smollm2-135m-instruct"] + analyze[3:] + ["--m", "30"], "--m: each set size must be at most 29"),
+        (train[:2] + [str(truncated_gguf)] + train[3:] + ["--layers", "1"], "--target: "),
         (train + ["--report", str(truncated)], f"--report: {truncated} is not valid JSON"),
         (train + ["--report", str(tmp / "none.json")], "--report: no such file"),
         (train + ["--layers", "-1"], "--layers"),
@@ -120,11 +132,12 @@ def test_help_and_argument_errors_import_no_heavy_module(tiny, tmp_path):
         ["analyze", "--model", tiny["target"], "--prompts", tiny["prompts"], "--out", str(tmp_path / "o"), "--m", "3"],
         ["train-draft", "--target", tiny["target"], "--report", missing, "--data", tiny["data"], "--out", "x"],
         ["eval-draft", "--target", "./nope", "--draft", "d", "--prompts", tiny["prompts"]],
+        ["analyze", "--model", "smollm2-135m-instruct", "--prompts", tiny["prompts"], "--out", "x", "--m", "30"],
     ]
     probe = _PROBE.format(cases=cases, heavy=_HEAVY)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"{[0] * 5 + [2] * 5} []"
+    assert result.stdout.splitlines()[-1] == f"{[0] * 5 + [2] * 6} []"
 
 
 def test_interrupt_saves_state_and_resume_continues(tiny, tmp_path, capsys, monkeypatch):

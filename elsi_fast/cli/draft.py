@@ -9,6 +9,7 @@ import os
 
 from ..draft_names import DRAFT_BACKENDS, DRAFT_WEIGHT_DTYPES
 from . import UsageError, one_line, positive_int
+from ..loading import DTYPES
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
 
 # elsi_fast.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"or at the layers a report.json selects with --method/--m. The target runs online; the run resumes "
         f"from OUT/{TRAINING_STATE_FILE} unless --no-resume.",
     )
-    train.add_argument("--target", required=True, help=MODEL_HELP)
+    _add_target_arguments(train)
     which = train.add_mutually_exclusive_group(required=True)
     which.add_argument("--layers", type=int, nargs="+", help="input-to-layer ids, e.g. 2 6 9")
     which.add_argument("--report", help="report.json from `elsi-fast analyze`; with --method and --m")
@@ -44,7 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--save-every", type=positive_int, default=50,
                        help="write the checkpoint and training state every this many steps (default 50)")
     train.add_argument("--seed", type=int, default=0, help="seed of the initialization and data order (default 0)")
-    train.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     train.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=train_handler, check=train_check, interrupted=train_interrupted)
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"DRAFT/{EVAL_PROGRESS_FILE}, so a rerun after Ctrl-C continues with the rest; the file is removed "
         "when the run completes.",
     )
-    evaluate.add_argument("--target", required=True, help=MODEL_HELP)
+    _add_target_arguments(evaluate)
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
     evaluate.add_argument("--prompts", required=True, help="JSONL with 'category' (Spec-Bench), text file, or folder")
     evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
@@ -65,7 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-prompts", type=positive_int, default=None, help="prompts per category (default: all)")
     evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=256,
                           help="truncate prompts to this many tokens (default 256)")
-    evaluate.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     evaluate.add_argument("--draft-dtype", choices=DRAFT_WEIGHT_DTYPES, default=None,
                           help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
@@ -103,6 +102,20 @@ def _layers_from_report(path: str, method: str, m: int) -> list[int]:
         raise UsageError(f"--method/--m: {one_line(exc)} (in {path})") from None
 
 
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help=MODEL_HELP)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="target weights dtype; a GGUF file is dequantized to it (default float32)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def _load_target(args: argparse.Namespace):
+    from ..loading import load_model
+
+    return load_model(args.target, device=args.device, dtype=args.dtype, argument="--target",
+                      device_argument="--device", progress=not args.no_progress)
+
+
 def train_check(args: argparse.Namespace) -> None:
     check_model(args.target, "--target")
     check_device(args.device)
@@ -128,11 +141,9 @@ def train_interrupted(args: argparse.Namespace) -> str:
 
 
 def train_handler(args: argparse.Namespace) -> int:
-    from ..loading import load_model
     from ..train import train_draft
 
-    model, tokenizer = load_model(args.target, device=args.device, dtype="float32", argument="--target",
-                                  device_argument="--device", progress=not args.no_progress)
+    model, tokenizer = _load_target(args)
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft = train_draft(
         model, tokenizer, args.layer_ids, args.texts, out_dir=args.out, draft_config=overrides,
@@ -177,11 +188,9 @@ def eval_interrupted(args: argparse.Namespace) -> str:
 def eval_handler(args: argparse.Namespace) -> int:
     from ..draft import Eagle3Draft
     from ..evaluation import pooled_tau, speculative_runs
-    from ..loading import load_model
     from ..prompts import prompts_by_category
 
-    model, tokenizer = load_model(args.target, device=args.device, dtype="float32", argument="--target",
-                                  device_argument="--device", progress=not args.no_progress)
+    model, tokenizer = _load_target(args)
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
