@@ -2,7 +2,9 @@
 
     python bench/integration/llamacpp.py source   # fetch + extract the vendored llama.cpp (no C++)
     python bench/integration/llamacpp.py build    # configure + build the tools below (~13 min on 2 cores)
-    python bench/integration/llamacpp.py check    # m=1 and m=3 drafts of SmolLM2 served by llama-speculative-simple
+    python bench/integration/llamacpp.py check    # on SmolLM2: the states llama.cpp captures for each id,
+                                                  # elsi-fast's GGUF vs llama.cpp's converter, m=1 and m=3
+                                                  # drafts served by llama-speculative-simple
 
 The sdist pins one llama.cpp commit (vendor/llama.cpp), so the converter the tests compare against and
 the binaries that serve the drafts are the same code. The build is keyed by the package version and
