@@ -179,7 +179,7 @@ class LayerReport:
 
     def serving_config(self, engine: str, m: int | None = None, method: str = "elsi") -> dict:
         """Draft-config snippet for `engine` ("vllm", "speculators", "sglang", "specforge",
-        "trtllm") in that engine's index convention; caveats are issued as UserWarnings."""
+        "trtllm", "llamacpp") in that engine's index convention; caveats are issued as UserWarnings."""
         layers = self.select(method, self._default_m() if m is None else m)
         config = serving.serving_config(layers, engine, self.num_hidden_layers)
         for note in serving.engine_notes(layers, engine, self.num_hidden_layers):

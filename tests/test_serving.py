@@ -32,6 +32,16 @@ def sglang_reads(config: dict, num_blocks: int) -> tuple[tuple[int, ...], int]:
     return captured, width
 
 
+def llamacpp_reads(config: dict) -> tuple[int, ...]:
+    """The capture ids llama.cpp (llama-cpp-python 0.3.36's vendored copy) takes from a draft GGUF's
+    metadata: `eagle3.target_layers` as is, each id's block input copied into the fc input in turn
+    (repeats allowed), and the model refused unless there are exactly 3 (src/models/eagle3.cpp)."""
+    ids = tuple(config["eagle3.target_layers"])
+    if len(ids) != 3:
+        raise RuntimeError("EAGLE3 requires exactly 3 entries in 'extract_layers'")
+    return ids
+
+
 def test_input_to_layer_engines_keep_indices():
     assert serving_config(EAGLE3, "vllm", N) == {"eagle_aux_hidden_state_layer_ids": [2, 18, 33],
                                                  "num_aux_hidden_states": 3}
@@ -61,6 +71,7 @@ def test_sglang_snippet_alone_sets_capture_and_fc_width(layers):
 def test_candidates_follow_the_engine():
     assert candidate_layers("vllm", 5) == [0, 1, 2, 3, 4, 5]
     assert candidate_layers("speculators", 5) == [0, 1, 2, 3, 4, 5]
+    assert candidate_layers("llamacpp", 5) == [0, 1, 2, 3, 4]  # id N is zeros on Llama-family targets
     for engine in ("sglang", "specforge", "trtllm"):
         candidates = candidate_layers(engine, 5)
         assert candidates == [1, 2, 3, 4]
@@ -90,7 +101,7 @@ def test_notes_for_m_not_3(engine):
     notes = engine_notes([9], engine, N)
     assert any(note.startswith("m=1") for note in notes)
     assert not any(note.startswith("m=") for note in engine_notes(EAGLE3, engine, N))
-    refuses_m = any("exactly 3" in n for n in notes)
+    refuses_m = any("accepts exactly 3" in n for n in notes)
     assert refuses_m == (engine == "specforge")
 
 
@@ -102,7 +113,27 @@ def test_last_layer_is_captured_by_vllm_and_speculators_only():
 
 
 def test_repeated_layers_are_not_servable():
-    for engine in ENGINES:
+    for engine in set(ENGINES) - {"llamacpp"}:
         notes = engine_notes([2, 2, 2], engine, N)
         assert any("fewer than m=3 states" in n for n in notes), engine
     assert vllm_reads(serving_config([2, 2, 2], "vllm", N), N)[0] == (2,)
+
+
+@pytest.mark.parametrize("layers", [[9], [4, 30], EAGLE3, [0, 7, 7]])
+def test_llamacpp_snippet_is_the_three_id_equivalent(layers):
+    """m <= 3 is served as exactly 3 ids, the last repeated, which llama.cpp loads; the notes say how
+    to convert and serve, and name the equivalent for m < 3."""
+    want = tuple(layers + [layers[-1]] * (3 - len(layers)))
+    assert llamacpp_reads(serving_config(layers, "llamacpp", N)) == want
+    notes = engine_notes(layers, "llamacpp", N)
+    assert any("format='gguf'" in n and "--spec-type draft-eagle3" in n and "-md draft.gguf" in n for n in notes)
+    assert any(n.startswith(f"m={len(layers)}") and str(list(want)) in n for n in notes) == (len(layers) < 3)
+    assert not any("fewer than m" in n for n in notes)  # a repeated id is legal there
+
+
+def test_llamacpp_refuses_m_above_3_and_warns_on_last_layer():
+    with pytest.raises(ValueError, match="exactly 3 target states"):
+        serving_config([1, 5, 9, 20], "llamacpp", N)
+    assert any("no m > 3 equivalent" in n for n in engine_notes([1, 5, 9, 20], "llamacpp", N))
+    assert any("gpt-oss" in n and f"0..{N - 1}" in n for n in engine_notes([2, 18, N], "llamacpp", N))
+    assert not any("gpt-oss" in n for n in engine_notes(EAGLE3, "llamacpp", N))

