@@ -215,30 +215,9 @@ def smollm2_path() -> Path:
 
 def load_target(path: Path):
     """The GGUF target dequantized into a float32 transformers model, and its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from elsi_fast.loading import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def export_hf_folder(model, tokenizer, path: Path) -> Path:
-    """LOCAL STAND-IN for `elsi_fast.loading.export_hf_folder` (being added on the main branch): a plain
-    transformers folder of a GGUF-loaded model. transformers refuses save_pretrained on it, so its
-    dequantized weights go into a fresh model built from the config without the quantization entry."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
-    fresh.load_state_dict(model.state_dict(), strict=False)  # a tied lm_head is absent from the GGUF
-    fresh.tie_weights()
-    fresh.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return load_model(str(path), device="cpu", dtype="float32")
 
 
 def hf_states(model, ids: list[int]):
@@ -417,7 +396,9 @@ def check(args: argparse.Namespace) -> None:
            params={"target": SMOLLM2_FILE, "reference": "transformers fp32 (dequantized GGUF), input-to-layer h_l",
                    "id_N_norm_ratio": found["rows"][n]["norm_ratio"], **found})
 
-    hf_target = export_hf_folder(model, tokenizer, work / "target-hf")
+    from elsi_fast.loading import dequantized_folder
+
+    hf_target = dequantized_folder(target)
     jobs = []
     for label, ids in DRAFTS:
         draft, name = smollm2_draft(ids), "m%d" % len(ids)
