@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .analysis_options import DEFAULTS, AnalyzeOptions
-from .capture import capture_hidden_states, decoder_layers
+from .capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .interrupt import DeferredInterrupt
 from .metrics import linear_token_entropy, normalize_tokens, token_entropy
 from .pass_state import PassState, pass_fingerprint, rank_and_world, reduce_across_ranks
@@ -33,18 +33,6 @@ from .report import LayerReport
 from .selection import ScreenedObjective
 from .set_entropy import SetEntropySolver
 from .state_files import save_state
-
-
-def _entropy_head(model: nn.Module) -> nn.Linear | None:
-    """The LM head as a plain Linear when logits = head(final normed hidden) exactly, else None
-    (soft-capped or scaled logits need the model's own logits)."""
-    config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, attr, None) not in (None, 1.0):
-            return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head if isinstance(head, nn.Linear) else None
-
 
 
 def _special_ids(tokenizer: Any) -> list[int]:
@@ -168,7 +156,7 @@ def analyze(
     if state_path is not None and os.path.exists(state_path):
         state.load(state_path, fingerprint)
 
-    head = _entropy_head(model)
+    head = plain_lm_head(model)
     remaining = shard[state.position :]
     bar = _progress_bar(sum(len(token_ids[i]) for i in remaining), progress and rank == 0)
     started = time.perf_counter()

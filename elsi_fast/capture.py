@@ -146,3 +146,15 @@ def capture_hidden_states(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def plain_lm_head(model: nn.Module) -> nn.Linear | None:
+    """The LM head as a plain Linear when logits = head(final normed hidden state) exactly, else
+    None (soft-capped or scaled logits need the model's own logits). What lets the analysis compute
+    token entropies, and draft training soft labels, from the final normed states alone."""
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, nn.Linear) else None

@@ -20,15 +20,20 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from .capture import capture_hidden_states, decoder_layers
+from .capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .draft import Eagle3Config, Eagle3Draft
+from .feature_cache import samples_fingerprint
 from .interrupt import DeferredInterrupt
+from .pass_state import rank_and_world
 from .state_files import load_state, save_state
-from .training_data import token_stream
+from .training_data import Sample, pad_samples, token_stream
+
+if TYPE_CHECKING:
+    from .feature_cache import FeatureCache
 
 STATE_FILE = "training_state.pt"
 SUMMARY_FILE = "train_summary.json"
@@ -93,41 +98,154 @@ def _check_layers(target, layers: Sequence[int]) -> list[int]:
     return layers
 
 
-@torch.no_grad()
-def _target_batch(target, layers: list[int], ids: torch.Tensor, draft_vocab: torch.Tensor):
-    """Target features and soft labels for one batch of windows ids [B, T].
+class _WindowBatches:
+    """Raw text: windows of `seq_len` tokens of the token stream, every draft row in the loss."""
 
-    Returns aux [B, T-1, m*d] (h_t for t = 0..T-2), next_ids [B, T-1] (x_{t+1}) and
-    probs [B, T-1, Vd]: the target's distribution over x_{t+2}, restricted to the draft vocab and
-    renormalized (row t comes from the target's logits at position t+1).
-    """
-    with capture_hidden_states(target, layers=layers) as cap:
-        logits = target(input_ids=ids).logits
-    aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-    probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1)
-    return aux, ids[:, 1:], probs
+    def __init__(self, stream: torch.Tensor, seq_len: int):
+        if stream.numel() < seq_len:
+            raise ValueError(f"texts: {stream.numel()} tokens, fewer than seq_len={seq_len}")
+        self.stream, self.offsets = stream, torch.arange(seq_len)
+
+    def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, self.stream.numel() - len(self.offsets) + 1, (batch_size,), generator=sampler)
+
+    @torch.no_grad()
+    def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
+        ids = self.stream[picked[:, None] + self.offsets].to(device)
+        with capture_hidden_states(target, layers=layers) as cap:
+            logits = target(input_ids=ids).logits
+        aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
+        probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1)
+        return aux, ids[:, 1:], probs, None, ids.numel()
 
 
-def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor) -> tuple[torch.Tensor, list[float], float]:
+class _SampleBatches:
+    """Conversations: whole samples, right-padded; a draft row is in the loss when the token it
+    predicts is part of the answer. Features from the target online, or from a `FeatureCache`."""
+
+    def __init__(self, samples: Sequence[Sample], cache: "FeatureCache | None", head_weight: torch.Tensor | None):
+        self.samples, self.cache, self.head_weight = samples, cache, head_weight
+
+    def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, len(self.samples), (batch_size,), generator=sampler)
+
+    @torch.no_grad()
+    def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
+        if self.cache is not None:
+            ids, attention, loss_mask, aux, final = self.cache.batch(self.samples, picked.tolist(), layers)
+            aux, ids = aux[:, :-1].to(device), ids.to(device)
+            logits = torch.nn.functional.linear(final[:, 1:].to(device), self.head_weight[draft_vocab].float())
+        else:
+            ids, attention, loss_mask = pad_samples([self.samples[i] for i in picked.tolist()])
+            ids = ids.to(device)
+            with capture_hidden_states(target, layers=layers) as cap:
+                logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:, draft_vocab]
+            aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
+        probs = torch.softmax(logits.float(), dim=-1)
+        # Row t (features h_t, token x_{t+1}) is trained on the target's prediction of x_{t+2}.
+        rows = torch.zeros(loss_mask.shape[0], loss_mask.shape[1] - 1, dtype=torch.bool)
+        rows[:, :-1] = loss_mask[:, 2:]
+        return aux, ids[:, 1:], probs, rows.to(device), int(attention.sum())
+
+
+def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, row_mask: torch.Tensor | None = None,
+             counts: Sequence[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
     """Weighted training-time-test loss.
 
     step_logits[i] [B, L, Vd] predicts token t+2+i at draft position t; its soft label is probs
-    [B, L, Vd] shifted by i (row t+i); positions t >= L - i have no label and are left out.
-    Returns (sum_i 0.8^i * mean cross-entropy_i, per-step losses, step-0 top-1 agreement).
+    [B, L, Vd] shifted by i (row t+i); positions t >= L - i have no label and are left out, as are
+    rows whose label position is off in `row_mask` [B, L] (None: all on). counts[i]: the number of
+    rows step i averages over (default: this batch's; under torch.distributed, every rank's).
+    Returns (sum_i 0.8^i * mean cross-entropy_i, per-step cross-entropy sums, [step-0 top-1
+    agreements, rows]) as plain numbers for logging.
     """
     total = probs.new_zeros(())
-    per_step = []
+    sums: list[float] = []
     length = probs.shape[1]
+    mask = torch.ones(probs.shape[:2], dtype=torch.bool, device=probs.device) if row_mask is None else row_mask
     for i, logits in enumerate(step_logits):
         valid = length - i
         if valid <= 0:
             break
         logp = torch.log_softmax(logits[:, :valid].float(), dim=-1)
-        ce = -(probs[:, i:] * logp).sum(-1).mean()
-        total = total + TTT_DECAY**i * ce
-        per_step.append(float(ce.detach()))
-    agree = (step_logits[0].detach().argmax(-1) == probs.argmax(-1)).float().mean()
-    return total, per_step, float(agree)
+        rows = mask[:, i:].float()
+        ce = -(probs[:, i:] * logp).sum(-1) * rows
+        count = float(rows.sum()) if counts is None else counts[i]
+        total = total + TTT_DECAY**i * ce.sum() / max(count, 1.0)
+        sums.append(float(ce.detach().sum()))
+    agree = ((step_logits[0].detach().argmax(-1) == probs.argmax(-1)) & mask).float().sum()
+    return total, sums, [float(agree), float(mask.sum())]
+
+
+def _row_counts(row_mask: torch.Tensor | None, shape: tuple[int, int], steps: int) -> list[float]:
+    """Rows of each training-time-test step: [sum of row_mask[:, i:]] for i < steps."""
+    length = shape[1]
+    if row_mask is None:
+        return [float(shape[0] * max(length - i, 0)) for i in range(steps)]
+    return [float(row_mask[:, i:].sum()) for i in range(steps)]
+
+
+def _all_reduce_sum(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Sum the ranks' gradients: each rank's loss is already divided by the global row counts, so
+    the sum is the gradient of the single-process loss on the whole global batch."""
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def init_from_target(draft: Eagle3Draft, target) -> None:
+    """Warm start: the draft's layer from the target's last block where shapes allow, its final norm
+    and head rows from the target's. fc maps the m target states to their mean (identity blocks / m),
+    so the first step sees the states themselves; q/k/v read the hidden half of the 2d concat with
+    the target's weights and start at zero on the embedding half."""
+    block = decoder_layers(target)[-1]
+    weights = dict(block.named_parameters())
+    own = draft.midlayer
+    d = draft.config.hidden_size
+    with torch.no_grad():
+        m = draft.config.num_aux_layers
+        if draft.config.target_hidden_size == d:
+            draft.fc.weight.copy_(torch.cat([torch.eye(d)] * m, dim=1) / m)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            source = weights.get(f"self_attn.{name}.weight")
+            target_weight = getattr(own.self_attn, name).weight
+            if source is not None and source.shape == (target_weight.shape[0], d):
+                target_weight.zero_()
+                target_weight[:, d:] = source
+        pairs = {"self_attn.o_proj.weight": own.self_attn.o_proj.weight, "mlp.gate_proj.weight": own.mlp.gate_proj.weight,
+                 "mlp.up_proj.weight": own.mlp.up_proj.weight, "mlp.down_proj.weight": own.mlp.down_proj.weight}
+        for name, parameter in pairs.items():
+            if name in weights and weights[name].shape == parameter.shape:
+                parameter.copy_(weights[name])
+        norms = {own.post_attention_layernorm: getattr(block, "post_attention_layernorm", None),
+                 own.input_layernorm: getattr(block, "input_layernorm", None),
+                 own.hidden_norm: getattr(block, "input_layernorm", None), draft.norm: getattr(target.base_model, "norm", None)}
+        for mine, theirs in norms.items():
+            if isinstance(getattr(theirs, "weight", None), torch.Tensor) and theirs.weight.shape == mine.weight.shape:
+                # Gemma's RMSNorm scales by (1 + weight), the draft's (as Llama's) by weight.
+                mine.weight.copy_(theirs.weight + (1.0 if type(theirs).__name__.startswith("Gemma") else 0.0))
+        head = target.get_output_embeddings()
+        ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
+        if head is not None and head.weight.shape[1] == d:
+            draft.lm_head.weight.copy_(head.weight[ids.to(head.weight.device)])
 
 
 def warmup_cosine(step: int, warmup: int, steps: int) -> float:
@@ -142,7 +260,7 @@ def train_draft(
     target,
     tokenizer,
     layers: Sequence[int],
-    texts: Sequence[str],
+    data: Sequence[str] | Sequence[Sample],
     *,
     out_dir: str | os.PathLike,
     draft_config: Mapping | None = None,
@@ -155,21 +273,27 @@ def train_draft(
     ttt_steps: int = 3,
     weight_decay: float = 0.0,
     seed: int = 0,
+    init: str = "random",
+    feature_cache: "FeatureCache | None" = None,
     save_every: int = 50,
     resume: bool = True,
     progress: bool = True,
 ) -> Eagle3Draft:
-    """Train an EAGLE3 draft reading target layers `layers` (input-to-layer ids) on `texts`.
+    """Train an EAGLE3 draft reading target layers `layers` (input-to-layer ids) on `data`.
 
-    target: a transformers causal LM (frozen, run online). texts: training documents; windows
-    of `seq_len` tokens are sampled from their concatenation with a seeded generator.
-    draft_config: `Eagle3Config` field overrides (default: the target's block shape).
-    draft_vocab_size: size of the frequency-ranked draft vocabulary (default: min(vocab, 1024)).
-    ttt_steps: training-time-test depth (EAGLE3 uses 7; 3 keeps CPU training cheap while still
-    teaching the draft to consume its own outputs). The training state is saved to `out_dir`
-    every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt
-    is raised); with `resume` a rerun continues from it. Returns the trained draft in eval mode;
-    the EAGLE3 checkpoint and `train_summary.json` are in `out_dir`.
+    target: a transformers causal LM (frozen). data: raw texts (windows of `seq_len` tokens of their
+    concatenation, every position in the loss) or conversation `Sample`s (`training_data`: the
+    target's own answers, whole samples, the loss on the answer tokens only). feature_cache: a
+    `feature_cache.FeatureCache` dumped from these samples: the target then never runs (offline
+    training). draft_config: `Eagle3Config` field overrides (default: the target's block shape).
+    draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
+    min(vocab, 1024)). ttt_steps: training-time-test depth (EAGLE3 uses 7). init: "random" or
+    "target" (`init_from_target`). batch_size is the global batch: under torch.distributed each rank
+    takes its share of every step's batch and the gradients are summed, which gives the weights of
+    one process on the same batches (to float tolerance). The training state is saved to `out_dir`
+    every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt is
+    raised); with `resume` a rerun continues from it. Returns the trained draft in eval mode; the
+    EAGLE3 checkpoint and `train_summary.json` are in `out_dir` (written by rank 0).
     """
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 3),
                              ("ttt_steps", ttt_steps, 1), ("save_every", save_every, 1), ("warmup", warmup, 0)):
@@ -177,6 +301,11 @@ def train_draft(
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     if not lr > 0:
         raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    if init not in ("random", "target"):
+        raise ValueError(f"init: expected 'random' or 'target', got {init!r}")
+    rank, world = rank_and_world()
+    if batch_size % world:
+        raise ValueError(f"batch_size: the global batch of {batch_size} does not split over {world} processes")
     layers = _check_layers(target, layers)
     vocab_size = target.config.vocab_size
     draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
@@ -185,15 +314,15 @@ def train_draft(
     state_path = out / STATE_FILE
     start_time = time.perf_counter()
 
-    stream = token_stream(tokenizer, texts)
-    if stream.numel() < seq_len:
-        raise ValueError(f"texts: {stream.numel()} tokens, fewer than seq_len={seq_len}")
-    vocab_ids = draft_vocab_ids(stream, vocab_size, draft_vocab_size)
+    source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
+    vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
     config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
     torch.manual_seed(seed)
     embed = target.get_input_embeddings().weight.detach()
     draft = Eagle3Draft(config, embed)
     draft.set_draft_vocab(vocab_ids)
+    if init == "target":
+        init_from_target(draft, target)
     device = embed.device
     draft.to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -202,7 +331,7 @@ def train_draft(
     sampler = torch.Generator().manual_seed(seed)
     run_args = {"layers": layers, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
                 "warmup": warmup, "ttt_steps": ttt_steps, "weight_decay": weight_decay, "seed": seed,
-                "draft_vocab_size": draft_vocab_size, "config": config.to_dict()}
+                "draft_vocab_size": draft_vocab_size, "init": init, "data": data_kind, "config": config.to_dict()}
     step, history = 0, []
     if resume and state_path.is_file():
         state = load_state(state_path, "resume")
@@ -216,36 +345,48 @@ def train_draft(
         step, history = state["step"], state["history"]
 
     def save() -> None:
-        save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                            "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
-                            "step": step, "history": history}, state_path)
-        draft.save_pretrained(out)
+        if rank == 0:
+            save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
+                        "step": step, "history": history}, state_path)
+            draft.save_pretrained(out)
 
     from tqdm.auto import tqdm
 
-    offsets = torch.arange(seq_len)
     was_training = target.training
     target.eval()
     draft.train()
-    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})", disable=not progress)
+    local = batch_size // world
+    tokens_seen, step_seconds = 0, 0.0
+    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})",
+               disable=not progress or rank != 0)
     # Ctrl-C mid-step would leave the draft and its optimizer out of step: it waits for the step's
     # end, where the state is saved.
     try:
         with DeferredInterrupt("the training state") as interrupt:
             while step < steps:
-                starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=sampler)
-                batch = stream[starts[:, None] + offsets].to(device)
-                aux, next_ids, probs = _target_batch(target, layers, batch, vocab_ids.to(device))
-                loss, per_step, agree = ttt_loss(draft.ttt_forward(aux, next_ids, ttt_steps), probs)
+                began = time.perf_counter()
+                picked = source.draw(batch_size, sampler)[rank * local : (rank + 1) * local]
+                aux, next_ids, probs, rows, tokens = source.features(target, layers, picked, vocab_ids.to(device), device)
+                counts = _all_reduce_sum(_row_counts(rows, probs.shape[:2], ttt_steps), world)
+                loss, sums, agree = ttt_loss(draft.ttt_forward(aux, next_ids, ttt_steps), probs, rows, counts)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                _average_gradients(params, world)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 schedule.step()
                 step += 1
-                history.append({"step": step, "loss": float(loss.detach()), "step_losses": per_step, "top1": agree})
+                totals = _all_reduce_sum([*sums, *agree, float(tokens)], world)
+                per_step = [s / max(c, 1.0) for s, c in zip(totals[: len(sums)], counts)]
+                top1 = totals[len(sums)] / max(totals[len(sums) + 1], 1.0)
+                weighted = sum(TTT_DECAY**i * ce for i, ce in enumerate(per_step))
+                history.append({"step": step, "loss": weighted, "step_losses": per_step, "top1": top1,
+                                "tokens": int(totals[-1])})
+                tokens_seen += int(totals[-1])
+                step_seconds += time.perf_counter() - began
                 bar.update(1)
-                bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", top1=f"{agree:.2f}")
+                bar.set_postfix(loss=f"{weighted:.3f}", top1=f"{top1:.2f}", tok_s=f"{tokens_seen / step_seconds:.0f}")
                 if step % save_every == 0 or step == steps or interrupt.requested:
                     save()
                 interrupt.raise_if_requested()
@@ -253,7 +394,29 @@ def train_draft(
         bar.close()
         target.train(was_training)
     draft.eval()
-    summary = {**run_args, "seconds_this_run": time.perf_counter() - start_time,
-               "final_loss": history[-1]["loss"], "history": history}
-    (out / SUMMARY_FILE).write_text(json.dumps(summary))
+    if rank == 0:
+        summary = {**run_args, "seconds_this_run": time.perf_counter() - start_time,
+                   "tokens_per_second_this_run": tokens_seen / step_seconds if step_seconds else None,
+                   "final_loss": history[-1]["loss"], "history": history}
+        (out / SUMMARY_FILE).write_text(json.dumps(summary))
     return draft
+
+
+def _batches(target, tokenizer, data, seq_len: int, feature_cache):
+    """(batch source, the tokens the draft learns to predict (for its vocabulary), data kind)."""
+    if isinstance(data, str) or not data:
+        raise ValueError("data: expected a non-empty list of texts or conversation samples")
+    if all(isinstance(item, Sample) for item in data):
+        head = None
+        if feature_cache is not None:
+            if feature_cache.meta["samples"] != samples_fingerprint(data):
+                raise ValueError(f"feature_cache: {feature_cache.path} was dumped from other samples")
+            if not feature_cache.complete:
+                raise ValueError(f"feature_cache: {feature_cache.path} is not complete; finish dumping it first")
+            head = plain_lm_head(target).weight.detach()
+        predicted = torch.cat([s.ids[s.loss_mask] for s in data])
+        return _SampleBatches(data, feature_cache, head), predicted, "conversations"
+    if feature_cache is not None:
+        raise ValueError("feature_cache: only conversation samples are dumped; raw texts train online")
+    stream = token_stream(tokenizer, data)
+    return _WindowBatches(stream, seq_len), stream, "texts"

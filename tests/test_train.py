@@ -14,7 +14,7 @@ from elsi_fast import train as train_mod
 from elsi_fast.draft import Eagle3Draft
 from elsi_fast.train import draft_vocab_ids, train_draft, ttt_loss
 from elsi_fast.training_data import token_stream
-from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER
+from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER, conversation_samples_of_tiny_target
 
 
 def test_draft_vocab_ids_are_the_most_frequent_sorted():
@@ -35,9 +35,12 @@ def test_draft_vocab_ids_tie_break_and_fill():
 
 
 def test_target_batch_soft_labels_align_with_target_logits():
-    ids = token_stream(TOKENIZER, TEXTS)[:20].reshape(2, 10)
+    stream = token_stream(TOKENIZER, TEXTS)[:20]
+    ids = stream.reshape(2, 10)
     vocab_ids = torch.tensor([0, 3, 7, 11, 40, 100])
-    aux, next_ids, probs = train_mod._target_batch(TARGET, [1, 4], ids, vocab_ids)
+    windows = train_mod._WindowBatches(stream, 10)
+    aux, next_ids, probs, rows, tokens = windows.features(TARGET, [1, 4], torch.tensor([0, 10]), vocab_ids, "cpu")
+    assert rows is None and tokens == 20
     with torch.no_grad():
         out = TARGET(input_ids=ids, output_hidden_states=True)
     assert aux.shape == (2, 9, 64) and next_ids.shape == (2, 9) and probs.shape == (2, 9, 6)
@@ -54,7 +57,8 @@ def test_ttt_loss_matches_float64_reference():
     b, length, vd, steps = 2, 7, 5, 3
     step_logits = [torch.randn(b, length, vd) for _ in range(steps)]
     probs = torch.softmax(torch.randn(b, length, vd), dim=-1)
-    total, per_step, agree = ttt_loss(step_logits, probs)
+    total, sums, (agree, rows) = ttt_loss(step_logits, probs)
+    per_step = [s / (b * (length - i)) for i, s in enumerate(sums)]
     expected_total, expected_steps = 0.0, []
     for i, logits in enumerate(step_logits):
         ce = []
@@ -66,7 +70,7 @@ def test_ttt_loss_matches_float64_reference():
         expected_total += 0.8**i * expected_steps[-1]
     assert per_step == pytest.approx(expected_steps, rel=1e-5)
     assert float(total) == pytest.approx(expected_total, rel=1e-5)
-    assert agree == pytest.approx(float((step_logits[0].argmax(-1) == probs.argmax(-1)).float().mean()))
+    assert agree / rows == pytest.approx(float((step_logits[0].argmax(-1) == probs.argmax(-1)).float().mean()))
 
 
 def test_training_reduces_loss_and_writes_an_eagle3_checkpoint(tmp_path):
@@ -101,7 +105,7 @@ def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatc
     args = dict(steps=6, seed=1, save_every=2 if stop == "crash" else 100, **SMALL)
     full = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path / "full", **args)
 
-    real_batch = train_mod._target_batch
+    real_batch = train_mod._WindowBatches.features
     calls = {"n": 0}
 
     def stop_in_fifth(*a, **kw):
@@ -112,10 +116,10 @@ def test_resume_after_interruption_equals_uninterrupted_run(tmp_path, monkeypatc
             os.kill(os.getpid(), signal.SIGINT)
         return real_batch(*a, **kw)
 
-    monkeypatch.setattr(train_mod, "_target_batch", stop_in_fifth)
+    monkeypatch.setattr(train_mod._WindowBatches, "features", stop_in_fifth)
     with pytest.raises(KeyboardInterrupt):
         train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path / "split", **args)
-    monkeypatch.setattr(train_mod, "_target_batch", real_batch)
+    monkeypatch.setattr(train_mod._WindowBatches, "features", real_batch)
     assert calls["n"] == 5
     state = torch.load(tmp_path / "split" / train_mod.STATE_FILE, weights_only=True)
     assert state["step"] == (4 if stop == "crash" else 5)
@@ -141,3 +145,105 @@ def test_bad_arguments(tmp_path):
                     **{**SMALL, "draft_config": {"hidden_size": 16}})
     with pytest.raises(ValueError, match="texts"):
         train_draft(TARGET, TOKENIZER, [1], "just a string", out_dir=tmp_path, steps=1, **SMALL)
+
+
+def test_masked_ttt_loss_matches_float64_reference():
+    torch.manual_seed(1)
+    b, length, vd, steps = 2, 6, 4, 3
+    step_logits = [torch.randn(b, length, vd) for _ in range(steps)]
+    probs = torch.softmax(torch.randn(b, length, vd), dim=-1)
+    rows = torch.rand(b, length) > 0.4
+    total, sums, (agree, count) = ttt_loss(step_logits, probs, rows)
+    expected_total = 0.0
+    for i, logits in enumerate(step_logits):
+        ce = [float(-(probs[bb, t + i].double() * torch.log_softmax(logits[bb, t].double(), -1)).sum())
+              for bb in range(b) for t in range(length - i) if rows[bb, t + i]]
+        assert sums[i] == pytest.approx(sum(ce), rel=1e-5)
+        expected_total += 0.8**i * sum(ce) / len(ce)
+    assert float(total) == pytest.approx(expected_total, rel=1e-5)
+    assert count == float(rows.sum())
+
+
+CONVERSATION_ARGS = dict(SMALL, batch_size=4, steps=8, seed=3, lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    return conversation_samples_of_tiny_target(tmp_path_factory.mktemp("conversations"))
+
+
+def test_conversations_train_on_answer_tokens_only(samples, tmp_path):
+    draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path, **{**CONVERSATION_ARGS, "steps": 30})
+    history = json.loads((tmp_path / "train_summary.json").read_text())["history"]
+    assert history[-1]["loss"] < history[0]["loss"]
+    answers = torch.cat([s.ids[s.loss_mask] for s in samples])
+    expected = draft_vocab_ids(answers, TARGET.config.vocab_size, CONVERSATION_ARGS["draft_vocab_size"])
+    assert torch.equal(draft.draft_to_target(torch.arange(len(expected))), expected)
+    assert all(h["tokens"] > 0 for h in history)
+    # a batch's rows are exactly those whose predicted token lies in an answer
+    source = train_mod._SampleBatches(samples, None, None)
+    _, _, _, mask, _ = source.features(TARGET, [2, 4], torch.tensor([0, 1]), expected, "cpu")
+    for b, sample in enumerate(samples[:2]):
+        n = len(sample.ids)
+        assert mask[b, : n - 2].tolist() == sample.loss_mask[2:].tolist() and not mask[b, n - 2 :].any()
+
+
+def test_offline_training_from_the_feature_cache_equals_online_training(samples, tmp_path):
+    from elsi_fast.feature_cache import build
+
+    online = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "online", **CONVERSATION_ARGS)
+    cache = build(TARGET, samples, [1, 2, 3], tmp_path / "cache", batch_size=3, progress=False)
+    offline = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "offline", feature_cache=cache,
+                          **CONVERSATION_ARGS)
+    curves = [json.loads((tmp_path / run / "train_summary.json").read_text())["history"] for run in ("online", "offline")]
+    assert [h["loss"] for h in curves[1]] == pytest.approx([h["loss"] for h in curves[0]], rel=1e-4)
+    for name, tensor in online.state_dict().items():
+        torch.testing.assert_close(offline.state_dict()[name], tensor, rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match=r"feature_cache: .* holds layers \[1, 2, 3\], not \[4\]"):
+        train_draft(TARGET, TOKENIZER, [4], samples, out_dir=tmp_path / "bad", feature_cache=cache, **CONVERSATION_ARGS)
+    with pytest.raises(ValueError, match="feature_cache: .* other samples"):
+        train_draft(TARGET, TOKENIZER, [1], samples[:-1], out_dir=tmp_path / "bad2", feature_cache=cache,
+                    **CONVERSATION_ARGS)
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, samples) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=f"{out_dir}/ddp", **CONVERSATION_ARGS)
+        torch.save(draft.state_dict(), f"{out_dir}/weights{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_give_the_weights_of_one(samples, tmp_path):
+    import torch.multiprocessing as mp
+
+    single = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "one", **CONVERSATION_ARGS)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), samples), nprocs=2, join=True)
+    for rank in (0, 1):
+        weights = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
+        for name, tensor in single.state_dict().items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5)
+    one = json.loads((tmp_path / "one" / "train_summary.json").read_text())["history"]
+    two = json.loads((tmp_path / "ddp" / "train_summary.json").read_text())["history"]
+    assert [h["loss"] for h in two] == pytest.approx([h["loss"] for h in one], rel=1e-4)
+    assert [h["tokens"] for h in two] == [h["tokens"] for h in one]
+
+
+def test_warm_start_copies_the_targets_last_block_head_rows_and_norm(tmp_path):
+    draft = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path, init="target",
+                        **{**SMALL, "steps": 1, "lr": 1e-12, "warmup": 0,
+                           "draft_config": {"num_attention_heads": 4, "num_key_value_heads": 2}})
+    block = TARGET.model.layers[-1]
+    torch.testing.assert_close(draft.midlayer.mlp.down_proj.weight, block.mlp.down_proj.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(draft.midlayer.self_attn.q_proj.weight[:, 32:], block.self_attn.q_proj.weight,
+                               rtol=0, atol=1e-6)
+    assert draft.midlayer.self_attn.q_proj.weight[:, :32].abs().max() < 1e-6
+    rows = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
+    torch.testing.assert_close(draft.lm_head.weight, TARGET.lm_head.weight[rows], rtol=0, atol=1e-6)
+    torch.testing.assert_close(draft.norm.weight, TARGET.model.norm.weight, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="init"):
+        train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path, init="warm", **SMALL)

@@ -39,3 +39,15 @@ TARGET = _target()
 SMALL = dict(draft_vocab_size=96, batch_size=4, seq_len=24, lr=3e-3, warmup=2, ttt_steps=2,
              draft_config={"intermediate_size": 24, "num_attention_heads": 2, "num_key_value_heads": 1},
              progress=False)
+
+
+def conversation_samples_of_tiny_target(tmp_dir, count: int = 12, max_new_tokens: int = 12):
+    """The tiny target's own answers to `count` prompts (elsi_fast.regenerate), as training samples."""
+    from elsi_fast.prompts import Prompt
+    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
+    from elsi_fast.training_data import conversation_samples
+
+    prompts = [Prompt(text=TEXTS[i % len(TEXTS)][: 15 + 7 * i], id=str(i), chat=True) for i in range(count)]
+    regenerate(TARGET, TOKENIZER, prompts, tmp_dir, max_new_tokens=max_new_tokens, batch_size=4, progress=False)
+    records = read_conversations(f"{tmp_dir}/{CONVERSATIONS_FILE}")
+    return conversation_samples(records, TOKENIZER, 64, TARGET.config.vocab_size)

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-_SUBCOMMAND_MODULES = ("analyze", "draft", "demo")
+_SUBCOMMAND_MODULES = ("analyze", "regenerate", "draft", "demo")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -61,6 +61,18 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def _join_torchrun() -> None:
+    """Under torchrun (WORLD_SIZE > 1) join its process group: gloo on the CPU, NCCL on GPUs."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -73,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..threads import configure
 
         args.threads = configure(args.threads)
+        _join_torchrun()
         return int(args.func(args) or 0)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
         print(f"elsi-fast {args.command}: error: {one_line(exc)}", file=sys.stderr)

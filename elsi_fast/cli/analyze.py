@@ -172,6 +172,10 @@ def handler(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         model_name=args.model,
     )
+    from ..pass_state import rank_and_world
+
+    if rank_and_world()[0] != 0:
+        return 0  # every rank holds the whole result; rank 0 writes it
     report.to_json(os.path.join(args.out, "report.json"))
     plots = report.plot(args.out)
     configs = serving_configs(report)

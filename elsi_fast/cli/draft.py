@@ -23,20 +23,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train-draft",
         help="train an EAGLE3 draft head on chosen target layers (EAGLE3 checkpoint format)",
         description="Train an EAGLE3 draft reading the target's hidden states at --layers (input-to-layer ids), "
-        f"or at the layers a report.json selects with --method/--m. The target runs online; the run resumes "
-        f"from OUT/{TRAINING_STATE_FILE} unless --no-resume.",
+        "or at the layers a report.json selects with --method/--m, on raw text or on the target's own answers "
+        "(`elsi-fast regenerate`: chat template, loss on the answer tokens). The target runs online, or once into "
+        f"--cache-dir (offline: every further layer set trains from the cache). The run resumes from "
+        f"OUT/{TRAINING_STATE_FILE} unless --no-resume. Under torchrun the global batch is split over the processes.",
     )
-    _add_target_arguments(train)
+    add_target_arguments(train)
     which = train.add_mutually_exclusive_group(required=True)
     which.add_argument("--layers", type=int, nargs="+", help="input-to-layer ids, e.g. 2 6 9")
     which.add_argument("--report", help="report.json from `elsi-fast analyze`; with --method and --m")
     train.add_argument("--method", default="elsi", help="selection method in the report (default elsi)")
     train.add_argument("--m", type=positive_int, default=1, help="number of layers for --report (default 1)")
-    train.add_argument("--data", required=True, help="training text: a text file, a folder of .txt, or prompts JSONL")
+    train.add_argument("--data", required=True,
+                       help="conversations.jsonl of `elsi-fast regenerate`, or raw text: a text file, a folder of .txt, "
+                       "or prompts JSONL")
     train.add_argument("--out", required=True, help="output folder (EAGLE3 checkpoint + training state)")
     train.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
-    train.add_argument("--batch-size", type=positive_int, default=8, help="token windows per step (default 8)")
-    train.add_argument("--seq-len", type=int, default=128, help="tokens per window, >= 3 (default 128)")
+    train.add_argument("--batch-size", type=positive_int, default=8,
+                       help="conversations or token windows per step, all processes together (default 8)")
+    train.add_argument("--seq-len", type=int, default=None,
+                       help="tokens per window of raw text (default 128), or per conversation (default 768), >= 3")
     train.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate, warmup then cosine (default 3e-3)")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
     train.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test depth (default 3; EAGLE3: 7)")
@@ -45,6 +51,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--save-every", type=positive_int, default=50,
                        help="write the checkpoint and training state every this many steps (default 50)")
     train.add_argument("--seed", type=int, default=0, help="seed of the initialization and data order (default 0)")
+    train.add_argument("--init", choices=("random", "target"), default="random",
+                       help="draft initialization: random, or warm-started from the target's last block, head rows "
+                       "and final norm (default random)")
+    train.add_argument("--cache-dir", default=None,
+                       help="offline training: dump the target's states on the conversations here once (or reuse them)")
+    train.add_argument("--cache-layers", type=int, nargs="+", default=None,
+                       help="layers to dump into --cache-dir, a superset of every run's (default: this run's)")
+    train.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="precision of the dumped states (default float32: the same loss as online training)")
+    train.add_argument("--max-cache-gb", type=float, default=32.0, help="refuse a cache larger than this (default 32)")
     train.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=train_handler, check=train_check, interrupted=train_interrupted)
@@ -57,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"DRAFT/{EVAL_PROGRESS_FILE}, so a rerun after Ctrl-C continues with the rest; the file is removed "
         "when the run completes.",
     )
-    _add_target_arguments(evaluate)
+    add_target_arguments(evaluate)
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
     evaluate.add_argument("--prompts", required=True, help="JSONL with 'category' (Spec-Bench), text file, or folder")
     evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
@@ -102,14 +118,14 @@ def _layers_from_report(path: str, method: str, m: int) -> list[int]:
         raise UsageError(f"--method/--m: {one_line(exc)} (in {path})") from None
 
 
-def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help=MODEL_HELP)
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="target weights dtype; a GGUF file is dequantized to it (default float32)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
-def _load_target(args: argparse.Namespace):
+def load_target(args: argparse.Namespace):
     from ..loading import load_model
 
     return load_model(args.target, device=args.device, dtype=args.dtype, argument="--target",
@@ -122,14 +138,28 @@ def train_check(args: argparse.Namespace) -> None:
     check_out_folder(args.out)
     if args.layers is not None and any(layer < 0 for layer in args.layers):
         raise UsageError(f"--layers: input-to-layer ids are >= 0 (0 = embeddings), got {args.layers}")
-    if args.seq_len < 3:
+    if args.seq_len is not None and args.seq_len < 3:
         raise UsageError(f"--seq-len: must be >= 3, got {args.seq_len}")
+    if not (math.isfinite(args.max_cache_gb) and args.max_cache_gb > 0):
+        raise UsageError(f"--max-cache-gb: must be a positive number, got {args.max_cache_gb}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
     args.layer_ids = list(args.layers) if args.layers is not None else _layers_from_report(args.report, args.method, args.m)
-    args.texts = [prompt.text for prompt in _load_texts(args.data, "--data")]
+    missing = sorted(set(args.layer_ids) - set(args.cache_layers)) if args.cache_layers else []
+    if missing:
+        raise UsageError(f"--cache-layers: must include this run's layers; {missing} missing")
+    from ..training_data import is_conversations_file
+
+    args.conversations = is_conversations_file(args.data)
+    if args.cache_dir is not None and not args.conversations:
+        raise UsageError("--cache-dir: only conversations (elsi-fast regenerate's conversations.jsonl) are cached; "
+                         "raw text trains online")
+    if args.seq_len is None:
+        args.seq_len = 768 if args.conversations else 128
+    if not args.conversations:
+        args.texts = [prompt.text for prompt in _load_texts(args.data, "--data")]
 
 
 def train_interrupted(args: argparse.Namespace) -> str:
@@ -141,20 +171,36 @@ def train_interrupted(args: argparse.Namespace) -> str:
 
 
 def train_handler(args: argparse.Namespace) -> int:
+    from ..pass_state import rank_and_world
     from ..train import train_draft
 
-    model, tokenizer = _load_target(args)
+    model, tokenizer = load_target(args)
+    data, cache = args.texts if not args.conversations else None, None
+    if args.conversations:
+        from ..training_data import conversation_samples, load_conversations
+
+        data = conversation_samples(load_conversations(args.data), tokenizer, args.seq_len, model.config.vocab_size)
+        if args.cache_dir is not None:
+            from ..feature_cache import build
+
+            cache = build(model, data, args.cache_layers or args.layer_ids, args.cache_dir, dtype=args.cache_dtype,
+                          max_bytes=int(args.max_cache_gb * 2**30), progress=not args.no_progress)
+            print(f"feature cache: {cache.path}, {cache.nbytes / 2**30:.2f} GiB for {cache.meta['tokens']} tokens x "
+                  f"layers {cache.layers} + the final state ({cache.dtype})")
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft = train_draft(
-        model, tokenizer, args.layer_ids, args.texts, out_dir=args.out, draft_config=overrides,
+        model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        save_every=args.save_every, resume=not args.no_resume, progress=not args.no_progress,
+        init=args.init, feature_cache=cache, save_every=args.save_every, resume=not args.no_resume,
+        progress=not args.no_progress,
     )
-    with open(os.path.join(args.out, "train_summary.json")) as f:
-        loss = json.load(f)["final_loss"]
-    print(f"trained draft on layers {list(draft.config.aux_layer_ids)} (input-to-layer): "
-          f"final loss {loss:.4f}; EAGLE3 checkpoint in {args.out}")
+    if rank_and_world()[0] == 0:
+        with open(os.path.join(args.out, "train_summary.json")) as f:
+            summary = json.load(f)
+        print(f"trained draft on layers {list(draft.config.aux_layer_ids)} (input-to-layer): final loss "
+              f"{summary['final_loss']:.4f}, {summary['tokens_per_second_this_run'] or 0:.0f} tokens/s; EAGLE3 "
+              f"checkpoint in {args.out}")
     return 0
 
 
@@ -190,7 +236,7 @@ def eval_handler(args: argparse.Namespace) -> int:
     from ..evaluation import pooled_tau, speculative_runs
     from ..prompts import prompts_by_category
 
-    model, tokenizer = _load_target(args)
+    model, tokenizer = load_target(args)
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)

@@ -1,0 +1,85 @@
+"""The target answers training prompts (elsi_fast.regenerate): batched answers equal one-by-one greedy
+decoding, exact token ids kept, resumable after Ctrl-C, other settings refused."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from elsi_fast import regenerate as regen
+from elsi_fast.prompts import Prompt, encode_prompt
+from tiny_lm import TARGET, TEXTS, TOKENIZER
+
+PROMPTS = [Prompt(text=TEXTS[i][: 20 + 9 * i], id=f"p{i}", category="story" if i % 2 else "qa", chat=True)
+           for i in range(7)]
+
+
+def _greedy_alone(prompt: Prompt, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([encode_prompt(prompt, TOKENIZER)])
+    stop = regen._stop_ids(TARGET, TOKENIZER)
+    with torch.inference_mode():
+        out = TARGET.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                              pad_token_id=stop[0])[0, ids.shape[1]:].tolist()
+    for j, token in enumerate(out):
+        if token in stop:
+            return out[: j + 1]
+    return out
+
+
+def test_batched_answers_equal_greedy_decoding_of_each_prompt(tmp_path):
+    summary = regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=6, batch_size=3, progress=False)
+    records = regen.read_conversations(tmp_path / regen.CONVERSATIONS_FILE)
+    assert summary["answered_now"] == 7 and sorted(r["id"] for r in records) == [f"p{i}" for i in range(7)]
+    for record in records:
+        prompt = PROMPTS[int(record["id"][1:])]
+        assert record["prompt_ids"] == encode_prompt(prompt, TOKENIZER)
+        assert record["response_ids"] == _greedy_alone(prompt, 6)
+        assert record["stop"] == ("eos" if len(record["response_ids"]) < 6 else record["stop"])
+        assert record["category"] == prompt.category and record["prompt"] == prompt.text
+    assert summary["new_tokens"] == sum(len(r["response_ids"]) for r in records)
+
+
+def test_ctrl_c_keeps_finished_batches_and_a_rerun_completes_them(tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    regen.regenerate(TARGET, TOKENIZER, PROMPTS, whole, max_new_tokens=5, batch_size=3, progress=False)
+    real, calls = regen._generate, []
+
+    def stop_after_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen, "_generate", stop_after_second)
+    split = tmp_path / "split"
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, split, max_new_tokens=5, batch_size=3, progress=False)
+    assert len(regen.read_conversations(split / regen.CONVERSATIONS_FILE)) == 3  # the first batch
+    with open(split / regen.CONVERSATIONS_FILE, "a") as f:
+        f.write('{"id": "p9", "resp')  # and a line cut by a crash
+    monkeypatch.setattr(regen, "_generate", real)
+    summary = regen.regenerate(TARGET, TOKENIZER, PROMPTS, split, max_new_tokens=5, batch_size=3, progress=False)
+    assert summary["answered_now"] == 4
+    by_id = lambda path: {r["id"]: r for r in regen.read_conversations(path / regen.CONVERSATIONS_FILE)}  # noqa: E731
+    assert by_id(split) == by_id(whole)
+    with pytest.raises(ValueError, match="out: .* other settings"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, split, max_new_tokens=7, batch_size=3, progress=False)
+
+
+def test_sampled_answers_are_reproducible_and_differ_from_greedy(tmp_path):
+    runs = [regen.regenerate(TARGET, TOKENIZER, PROMPTS[:4], tmp_path / name, max_new_tokens=8, batch_size=2,
+                             temperature=1.5, seed=3, progress=False) for name in ("a", "b")]
+    a, b = (regen.read_conversations(tmp_path / name / regen.CONVERSATIONS_FILE) for name in ("a", "b"))
+    assert a == b and runs[0]["new_tokens"] == runs[1]["new_tokens"]
+    greedy = {p.id: _greedy_alone(p, 8) for p in PROMPTS[:4]}
+    assert any(r["response_ids"] != greedy[r["id"]] for r in a)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="temperature"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path, temperature=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path, batch_size=0)
+    with pytest.raises(ValueError, match="ids repeat"):
+        regen.regenerate(TARGET, TOKENIZER, [PROMPTS[0], PROMPTS[0]], tmp_path)
