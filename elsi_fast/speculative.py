@@ -132,6 +132,44 @@ class _TargetRunner:
         self.seconds += time.perf_counter() - start
         return greedy, aux
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions of the KV cache (the verified ones)."""
+        _crop(self.cache, length)
+
+
+class ReplayTarget:
+    """The target's side of speculative decoding replayed from its greedy continuation.
+
+    Greedy chain speculative decoding against a fixed target is deterministic: whatever the draft
+    proposes, the emitted tokens are the target's greedy continuation, and the features the draft
+    gets are the target's states at the accepted positions. So with `ids` [T] (prompt, then the
+    greedy continuation) and `features` [T, m * d_t] (the aux states at every position, one forward
+    over `ids`), a verify forward is a lookup: the target's next token after a true prefix, and a
+    token no draft proposes (-1) after a wrong one, which ends the accepted run exactly where a real
+    verify would. `evaluation.replay_runs` drives it."""
+
+    def __init__(self, ids: torch.Tensor, features: torch.Tensor):
+        self.ids, self.features = ids.long(), features
+        self.position = 0  # positions the (virtual) target cache holds
+        self.seconds = 0.0
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = ids.shape[1]
+        start, end = self.position, self.position + length
+        true = self.ids[start:end]
+        if end > len(self.ids) or int(ids[0, 0]) != int(true[0]):
+            raise ValueError("ReplayTarget: asked to verify past the recorded continuation or off its path")
+        matches = (ids[0] == true).long().cumprod(0).bool()  # inputs 0..j all on the true path
+        following = torch.full((length,), -1, dtype=torch.long)
+        known = min(length, len(self.ids) - start - 1)
+        following[:known] = self.ids[start + 1 : start + 1 + known]
+        greedy = torch.where(matches, following, torch.full_like(following, -1))
+        self.position = end
+        return greedy[None], self.features[start:end][None]
+
+    def crop(self, length: int) -> None:
+        self.position = min(self.position, length)
+
 
 # ------------------------------------------------------------------------------------ draft paths
 class _TorchDraftPath:
@@ -321,9 +359,17 @@ def speculative_generate(
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
     if draft.config.aux_layer_ids is None:
         raise ValueError("draft: its config has no aux_layer_ids, so the target layers it reads are unknown")
-    device = input_ids.device
     path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
-    runner = _TargetRunner(target, draft.config.aux_layer_ids)
+    return speculative_loop(_TargetRunner(target, draft.config.aux_layer_ids), path, input_ids, max_new_tokens, k,
+                            eos_token_id)
+
+
+def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int, k: int,
+                     eos_token_id: int | None) -> SpecResult:
+    """The rounds of greedy chain speculative decoding (see the module docstring): `runner` is the
+    target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
+    `_NativeDraftPath`)."""
+    device = input_ids.device
     prompt_len = input_ids.shape[1]
     draft_seconds = 0.0
 
@@ -362,7 +408,7 @@ def speculative_generate(
         accepted_lengths.append(len(new_tokens) - 1)
 
         # Verified positions S-1 .. S-1+n stay in the target cache; the rest is rolled back.
-        _crop(runner.cache, seq_len + n)
+        runner.crop(seq_len + n)
         if len(emitted) >= max_new_tokens or emitted[-1] == eos_token_id:
             break
         start = time.perf_counter()
