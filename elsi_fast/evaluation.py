@@ -202,6 +202,7 @@ def replay_runs(
     k: int = 4,
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
+    batch_size: int | None = None,
     progress: bool = False,
 ) -> dict[str, list[SpecResult]]:
     """The `SpecResult` of every record's prompt, replayed (see the module docstring): category ->
@@ -209,7 +210,9 @@ def replay_runs(
     continuation ends at the target's stop token or at the length cap); cache: a `FeatureCache` of
     `continuation_samples(records)` holding the draft's layers. Each prompt generates exactly its
     continuation's length, stopping at its stop token, as `speculative_generate` with that budget
-    and `eos_token_id` does."""
+    and `eos_token_id` does. batch_size: replay that many prompts side by side in one torch draft
+    batch (`_replay_batched`: every draft step reads the weights once for all of them; the torch
+    path's numbers), else one prompt at a time on the path draft_dtype / draft_backend choose."""
     from tqdm.auto import tqdm
 
     from .feature_cache import samples_fingerprint
@@ -222,6 +225,16 @@ def replay_runs(
     layers = list(draft.config.aux_layer_ids)
     longest = max(len(s.ids) for s in samples)
     runs: dict[str, list[SpecResult]] = {}
+    if batch_size is not None:
+        if draft_dtype is not None or draft_backend == "native":
+            raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
+        usable = [i for i, r in enumerate(records) if len(r["response_ids"]) >= 2]
+        for start in tqdm(range(0, len(usable), batch_size), desc="replay tau (batched)", disable=not progress):
+            chunk = usable[start : start + batch_size]
+            for index, result in zip(chunk, _replay_batched(draft, [records[i] for i in chunk], samples, chunk,
+                                                             cache, layers, k)):
+                runs.setdefault(records[index].get("category") or "text", []).append(result)
+        return runs
     decoder = native_decoder_for(draft, longest + k + 1, draft_dtype=draft_dtype, draft_backend=draft_backend)
     for index, record in enumerate(tqdm(records, desc="replay tau", disable=not progress)):
         prompt = torch.tensor([record["prompt_ids"]], dtype=torch.long)
@@ -236,3 +249,98 @@ def replay_runs(
         result = speculative_loop(runner, path, prompt, new, k, eos)
         runs.setdefault(record.get("category") or "text", []).append(result)
     return runs
+
+
+@torch.no_grad()
+def _replay_batched(draft, records: list[dict], samples: list[Sample], indices: list[int], cache, layers: list[int],
+                    k: int) -> list[SpecResult]:
+    """`speculative_loop` for several prompts in lockstep, the draft in torch over a `RaggedKVCache`
+    (each prompt at its own position): the same bookkeeping per prompt, one batched draft call per
+    step for all of them."""
+    from .draft.model import RaggedKVCache
+
+    weight = draft.fc.weight
+    rows = len(records)
+    _, _, _, aux, _ = cache.batch(samples, indices, layers)
+    targets = [ReplayTarget(samples[i].ids, aux[b, : len(samples[i].ids)].to(weight.dtype)) for b, i in enumerate(indices)]
+    budget = [len(r["response_ids"]) for r in records]
+    eos = [r["response_ids"][-1] if r.get("stop") == "eos" else None for r in records]
+    prompt_len = [len(r["prompt_ids"]) for r in records]
+    # Room for a finished row's idle writes too: every forward writes every row (at slots past its
+    # length, never attended and overwritten later), so that no row's cache needs copying.
+    ragged = RaggedKVCache(rows, draft.config.num_key_value_heads, draft.config.head_dim,
+                           max(len(samples[i].ids) for i in indices) + 2 * k + 4, device=weight.device,
+                           dtype=weight.dtype)
+
+    def run(inputs: torch.Tensor, ids: torch.Tensor, keep: list[int], rows_in: list[int], from_target: bool):
+        """One draft forward; inputs [len(rows_in), T, .] and ids [len(rows_in), T] for rows `rows_in`,
+        each keeping `keep[i]` positions -> (the target id its last kept position proposes, that
+        position's hidden [len(rows_in), 1, d])."""
+        index = torch.tensor(rows_in)
+        x = draft.project(inputs) if from_target else inputs
+        full = x.new_zeros(rows, *x.shape[1:])
+        full[index] = x
+        full_ids = ids.new_zeros(rows, ids.shape[1])
+        full_ids[index] = ids
+        logits, out = draft.forward(full, full_ids, ragged)
+        last = torch.tensor(keep) - 1
+        ragged.lengths[index] += torch.tensor(keep)
+        picked = logits[index, last].argmax(-1)
+        return draft.draft_to_target(picked).tolist(), out[index, last][:, None]
+
+    # Prefill: the pairs (h_t, x_{t+1}) of every prompt position, the last one's x the first new token.
+    emitted, feature_rows, pair_rows = [], [], []
+    for b, target in enumerate(targets):
+        greedy, features = target.forward(torch.tensor([records[b]["prompt_ids"]]))
+        emitted.append([int(greedy[0, -1])])
+        feature_rows.append(features[0])
+        pair_rows.append(torch.tensor(records[b]["prompt_ids"][1:] + [emitted[b][0]]))
+    width = max(prompt_len)
+    features = torch.zeros(rows, width, feature_rows[0].shape[-1], dtype=weight.dtype)
+    pairs = torch.zeros(rows, width, dtype=torch.long)
+    for b in range(rows):
+        features[b, : prompt_len[b]], pairs[b, : prompt_len[b]] = feature_rows[b], pair_rows[b]
+    proposal, hidden = run(features, pairs, prompt_len, list(range(rows)), True)
+    accepted: list[list[int]] = [[] for _ in range(rows)]
+    active = [b for b in range(rows) if len(emitted[b]) < budget[b] and emitted[b][-1] != eos[b]]
+    while active:
+        seq_len = {b: prompt_len[b] + len(emitted[b]) for b in active}
+        round_k = {b: min(k, budget[b] - len(emitted[b]) - 1) for b in active}
+        proposals = {b: [proposal[b]] if round_k[b] > 0 else [] for b in active}
+        for step in range(1, max(round_k.values(), default=0)):
+            going = [b for b in active if round_k[b] > step]
+            ids = torch.tensor([[proposals[b][-1]] for b in going])
+            next_ids, next_hidden = run(hidden[going], ids, [1] * len(going), going, False)
+            for b, token, h in zip(going, next_ids, next_hidden):
+                proposals[b].append(token)
+                hidden[b] = h
+        extend = []
+        for b in active:
+            greedy, verified = targets[b].forward(torch.tensor([[emitted[b][-1], *proposals[b]]]))
+            greedy_list = greedy[0].tolist()
+            n = 0
+            while n < len(proposals[b]) and proposals[b][n] == greedy_list[n]:
+                n += 1
+            new_tokens = proposals[b][:n] + [greedy_list[n]]
+            if eos[b] is not None and eos[b] in new_tokens:
+                new_tokens = new_tokens[: new_tokens.index(eos[b]) + 1]
+            emitted[b].extend(new_tokens)
+            accepted[b].append(len(new_tokens) - 1)
+            targets[b].crop(seq_len[b] + n)
+            if len(emitted[b]) < budget[b] and emitted[b][-1] != eos[b]:
+                ragged.lengths[b] = seq_len[b] - 1
+                extend.append((b, new_tokens, verified[0, : len(new_tokens)]))
+        if extend:
+            width = max(len(tokens) for _, tokens, _ in extend)
+            features = torch.zeros(len(extend), width, extend[0][2].shape[-1], dtype=weight.dtype)
+            pairs = torch.zeros(len(extend), width, dtype=torch.long)
+            for i, (_, tokens, verified) in enumerate(extend):
+                features[i, : len(tokens)], pairs[i, : len(tokens)] = verified, torch.tensor(tokens)
+            going = [b for b, _, _ in extend]
+            next_ids, next_hidden = run(features, pairs, [len(tokens) for _, tokens, _ in extend], going, True)
+            for b, token, h in zip(going, next_ids, next_hidden):
+                proposal[b] = token
+                hidden[b] = h
+        active = [b for b, _, _ in extend]
+    return [SpecResult(tokens=torch.tensor(emitted[b]), accepted_lengths=accepted[b], k=k, draft_time_s=0.0,
+                       target_time_s=0.0, draft_backend="torch batched replay", draft_calls={}) for b in range(rows)]

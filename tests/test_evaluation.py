@@ -94,3 +94,14 @@ def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend):
         assert rounds > 0 and evaluation.pooled_tau(replayed)["all"] > 1.0
     with pytest.raises(ValueError, match="cache: .* other continuations"):
         evaluation.replay_runs(draft, records[:-1], cache)
+
+
+def test_batched_replay_equals_the_one_prompt_replay(replay_setup):
+    draft, records, cache = replay_setup
+    for k in (1, 2, 4):
+        one = evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch")
+        for batch_size in (1, 4):
+            batched = evaluation.replay_runs(draft, records, cache, k=k, batch_size=batch_size)
+            assert {c: [r.accepted_lengths for r in rs] for c, rs in batched.items()} == \
+                {c: [r.accepted_lengths for r in rs] for c, rs in one.items()}, (k, batch_size)
+            assert evaluation.pooled_tau(batched) == evaluation.pooled_tau(one)
