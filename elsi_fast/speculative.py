@@ -120,13 +120,22 @@ class _TargetRunner:
         params = inspect.signature(target.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.seconds = 0.0
+        from .threads import FreeCores
+
+        # The verify forwards' thread team follows the cores free right now, as the native draft's does.
+        self.team = FreeCores(limit=torch.get_num_threads())
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [1, T] -> (greedy next ids [1, T], aux hidden [1, T, m*d_target])."""
         start = time.perf_counter()
-        with capture_hidden_states(self.target, layers=self.layers) as cap:
-            out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+        team, previous = self.team(), torch.get_num_threads()
+        torch.set_num_threads(team)
+        try:
+            with capture_hidden_states(self.target, layers=self.layers) as cap:
+                out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+        finally:
+            torch.set_num_threads(previous)
         aux = torch.cat([cap.states[layer] for layer in self.layers], dim=-1)
         greedy = out.logits.argmax(dim=-1)
         self.seconds += time.perf_counter() - start
@@ -250,10 +259,8 @@ class _NativeDraftPath:
         return {"native_steps": self.steps, "torch_extends": self.prefills, "torch_steps": 0}
 
     def describe(self) -> str:
-        from .draft import native
-
         prefill = f"; torch prefill: {self.prefills} extends" if self.prefills else ""
-        return f"{native.describe(self.decoder.device)} {self.decoder.weight_dtype}: {self.steps} steps{prefill}"
+        return f"{self.decoder.describe()}: {self.steps} steps{prefill}"
 
 
 def native_decoder_for(

@@ -92,3 +92,64 @@ def configure(threads: int | None = None) -> int:
 
     torch.set_num_threads(count)
     return count
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def _own_jiffies() -> int | None:
+    """Clock ticks this process has run (user + system, all its threads)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+class FreeCores:
+    """The cores other processes leave free right now, for a thread team that must not wait on a
+    descheduled member.
+
+    A fork-join step with a barrier per phase runs at the pace of its slowest thread: when another
+    process keeps one of two cores busy, a 2-thread native draft step took 4-7x its idle time while
+    one thread was unaffected (docs/method.md section 5). The 1-minute load average reacts too late
+    for that; this samples /proc/stat and this process's own CPU time at most every `interval`
+    seconds and returns the available cores minus the cores others kept busy over the last
+    interval (at least 1). Off Linux it returns `default_threads()`.
+    """
+
+    def __init__(self, interval: float = 0.5, limit: int | None = None):
+        self.interval = interval
+        self.limit = limit
+        self._last: tuple[float, int, int, int] | None = None
+        self._free = min(default_threads(), limit or default_threads())
+
+    def __call__(self) -> int:
+        import time
+
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self._free
+        cpu, own = _cpu_jiffies(), _own_jiffies()
+        if cpu is None or own is None:
+            return self._free
+        if self._last is not None:
+            _, busy, total, mine = self._last
+            cores = os.cpu_count() or 1
+            span = (cpu[1] - total) / cores  # ticks per core in the interval
+            if span > 0:
+                others = max(0.0, (cpu[0] - busy - (own - mine)) / span)
+                free = available_cores() - round(others)
+                self._free = max(1, min(free, self.limit or free))
+        self._last = (now, cpu[0], cpu[1], own)
+        return self._free

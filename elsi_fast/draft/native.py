@@ -200,12 +200,15 @@ class NativeDraftDecoder:
     packed layout (`pack_matrix`; `packed=False` keeps fp32 / bf16 row-major, the layout of the
     module itself and of the CUDA kernel, to measure what packing buys), on CUDA row-major (shared
     with `draft` when already bf16); the norms are copied. Treat `draft` as frozen while a decoder
-    uses it.
+    uses it. threads: the CPU thread team of a step; None (default) picks it at every step from the
+    cores other processes leave free right now (`threads.FreeCores`), at most torch's thread count
+    when the decoder was made, so that a busy neighbour does not stall a team waiting on a
+    descheduled thread.
     `step` writes cache slot `length` and advances it; `truncate(n)` rolls back rejected draft steps.
     """
 
     def __init__(self, draft: "Eagle3Draft", weight_dtype: str = "bf16", max_len: int = 2048, *,
-                 packed: bool = True) -> None:
+                 packed: bool = True, threads: int | None = None) -> None:
         _check_weight_dtype(weight_dtype, "weight_dtype")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int, got {max_len!r}")
@@ -247,6 +250,20 @@ class NativeDraftDecoder:
         self._position = torch.zeros(1, dtype=torch.int64, device=device)
         self.max_len = max_len
         self.length = 0
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        from ..threads import FreeCores
+
+        self._team = (lambda: threads) if threads is not None else FreeCores(limit=torch.get_num_threads())
+        self.threads = threads
+
+    def describe(self) -> str:
+        """The path a step takes, e.g. "native cpu (avx2, free cores up to 2 threads) int8"."""
+        if self.device.type != "cpu":
+            return f"{describe(self.device)} {self.weight_dtype}"
+        team = f"{self.threads} threads" if self.threads is not None else f"free cores up to {self._team.limit} threads"
+        isa = _C.cpu_isa() if _C is not None else "none"
+        return f"native cpu ({isa}, {team}) {self.weight_dtype}"
 
     @property
     def weight_bytes(self) -> int:
@@ -335,10 +352,20 @@ class NativeDraftDecoder:
                              f"create the decoder with a larger max_len or truncate()")
         _as_token(token, self._token)
         self._position.fill_(self.length)
-        ids, hidden_out = _op()(
+        team, previous = self._team() if self.device.type == "cpu" else None, torch.get_num_threads()
+        if team is not None and team != previous:
+            torch.set_num_threads(team)  # the op reads torch's count; restored below
+        try:
+            ids, hidden_out = self._run(hidden_or_aux, from_target, top_k)
+        finally:
+            if team is not None and team != previous:
+                torch.set_num_threads(previous)
+        self.length += 1
+        return ids, hidden_out
+
+    def _run(self, hidden_or_aux: Tensor, from_target: bool, top_k: int) -> tuple[Tensor, Tensor]:
+        return _op()(
             hidden_or_aux.reshape(-1).contiguous(), self._token, self._position, self._k_cache, self._v_cache,
             self._embed, self._weights, self._scales, self._norms, self._inv_freq, self._d2t, bool(from_target),
             self.config.num_attention_heads, self.config.fc_in_features, self.config.intermediate_size,
             self.config.rms_norm_eps, top_k)
-        self.length += 1
-        return ids, hidden_out

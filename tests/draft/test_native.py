@@ -290,7 +290,8 @@ def test_result_is_independent_of_thread_count(weight_dtype):
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results[threads] = run_decoder(native.NativeDraftDecoder(draft, weight_dtype, max_len=4), steps, top_k=5)
+            results[threads] = run_decoder(native.NativeDraftDecoder(draft, weight_dtype, max_len=4, threads=threads),
+                                           steps, top_k=5)
     finally:
         torch.set_num_threads(previous)
     for threads in (2, 3):
