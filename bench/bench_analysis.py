@@ -2,8 +2,11 @@
 
     python bench/bench_analysis.py [--device cuda] [--part overhead memory threshold]
 
-overhead:  analyze()'s pass time / bare forward time of the same batches (same tokens, same batch
-           size), for stories260K and a random Llama of hidden 512 (GPU target: <= 1.15x).
+overhead:  analyze()'s pass time / bare forward time (the model's own forward, logits included) of
+           the same batches (same tokens, batch size and length-sorted order), for SmolLM2-135M-
+           Instruct on Spec-Bench (the real target; a random model of its config when its package
+           is not installed, e.g. on the GPU machine), stories260K and a random Llama of hidden 512;
+           interleaved forward / pass / forward / pass (target: <= 1.15x).
 memory:    peak memory of a run vs the number of prompts, each run in a fresh process (CPU: peak
            RSS over the RSS after loading, Linux only; CUDA: torch.cuda.max_memory_allocated), with the
            report's own accounting of the prompt-mode Gram store and the accumulators.
@@ -49,9 +52,29 @@ def random_llama(device: str, dtype: torch.dtype):
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval(), load_llama2c_tokenizer(STORIES)
 
 
-def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, device: str) -> float:
-    """One pass of the model's own forward (logits included) over the same padded batches."""
+def smollm2(device: str, dtype: torch.dtype):
+    """SmolLM2-135M-Instruct from its package, else a random model of its config (same shapes)."""
+    try:
+        from elsi_fast.loading import load_model
+
+        model, tokenizer = load_model("smollm2-135m-instruct", device=device, dtype=str(dtype).removeprefix("torch."))
+        return model, tokenizer, "SmolLM2-135M-Instruct"
+    except ValueError:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                             max_position_embeddings=8192)
+        model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+        return model, load_llama2c_tokenizer(STORIES), "random model of SmolLM2-135M's config"
+
+
+def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, device: str, reps: int = 3) -> float:
+    """The model's own forward (logits included) over the batches the pass forms: longest prompts
+    first, `batch_size` at a time, right-padded."""
     batches = []
+    token_ids = sorted(token_ids, key=len, reverse=True)
     for start in range(0, len(token_ids), batch_size):
         chunk = token_ids[start : start + batch_size]
         width = max(map(len, chunk))
@@ -67,27 +90,33 @@ def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, dev
             for ids, mask in batches:
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    return time_fn(run, warmup=1, reps=3, device=device)
+    return time_fn(run, warmup=0, reps=reps, device=device)
 
 
-def part_overhead(device: str, num_prompts: int, out: str) -> None:
+def part_overhead(device: str, num_prompts: int, out: str, models: list[str], reps: int) -> None:
     prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    for name, build in (("stories260K", lambda: stories(device)), ("llama-d512-random", lambda: random_llama(device, dtype))):
-        model, tokenizer = build()
+    builders = {"smollm2": lambda: smollm2(device, dtype),
+                "stories260K": lambda: (*stories(device), "stories260K"),
+                "llama-d512-random": lambda: (*random_llama(device, dtype), "llama-d512-random")}
+    for key in models:
+        model, tokenizer, name = builders[key]()
         ids = [encode_prompt(p, tokenizer)[:512] for p in prompts]
-        forward = bare_forward_seconds(model, ids, 8, device)
-        passes = []
-        for _ in range(3):
+        bare_forward_seconds(model, ids[:8], 8, device, reps=1)  # warm-up
+        forwards, passes = [], []
+        for _ in range(reps):  # interleaved, so that drifting machine speed hits both alike
+            forwards.append(bare_forward_seconds(model, ids, 8, device, reps=1))
             report = analyze(model, tokenizer, prompts, m=(1, 3), batch_size=8, max_tokens=512, progress=False)
             passes.append(report.timing["pass_seconds"])
-        pass_seconds = sorted(passes)[1]
+        forward, pass_seconds = sorted(forwards)[len(forwards) // 2], sorted(passes)[len(passes) // 2]
         tokens = report.tokens["total"]
-        params = {"model": name, "prompts": num_prompts, "tokens": tokens, "batch_size": 8, "dtype": str(dtype)}
+        params = {"model": name, "prompts": num_prompts, "tokens": tokens, "batch_size": 8, "dtype": str(dtype),
+                  "threads": torch.get_num_threads(), "reps": reps, "forwards_s": forwards, "passes_s": passes,
+                  "kept_fraction": report.tokens["kept_fraction"], "loadavg": os.getloadavg()}
         record(out, "analysis_overhead", "pass_over_forward", pass_seconds / forward, "x", device=device_name(device),
                baseline=forward, ratio=pass_seconds / forward, params={**params, "pass_s": pass_seconds, "forward_s": forward})
         print(f"{name}: forward {forward:.3f}s, analysis pass {pass_seconds:.3f}s -> {pass_seconds / forward:.2f}x "
-              f"({tokens / pass_seconds:.0f} tok/s)")
+              f"({tokens / pass_seconds:.0f} tok/s)", flush=True)
 
 
 def _rss_bytes(field: str) -> int:
@@ -158,18 +187,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--part", nargs="+", default=["overhead", "memory", "threshold"])
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=480, help="Spec-Bench prompts of the overhead part (default all)")
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "stories260K", "llama-d512-random"])
+    parser.add_argument("--reps", type=int, default=2, help="interleaved forward / pass repetitions (medians)")
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--memory-counts", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
     parser.add_argument("--threshold-prompts", type=int, default=96)
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.memory_child is not None:
         print(json.dumps(_memory_child(args.device, args.memory_child)))
         return
     out = f"analysis_{torch.device(args.device).type}"
     if "overhead" in args.part:
-        part_overhead(args.device, args.prompts, out)
+        part_overhead(args.device, args.prompts, out, args.models, args.reps)
     if "memory" in args.part:
         part_memory(args.device, args.memory_counts, out)
     if "threshold" in args.part:

@@ -203,6 +203,7 @@ def replay_runs(
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
     batch_size: int | None = None,
+    only: Sequence[int] | None = None,
     progress: bool = False,
 ) -> dict[str, list[SpecResult]]:
     """The `SpecResult` of every record's prompt, replayed (see the module docstring): category ->
@@ -212,7 +213,8 @@ def replay_runs(
     continuation's length, stopping at its stop token, as `speculative_generate` with that budget
     and `eos_token_id` does. batch_size: replay that many prompts side by side in one torch draft
     batch (`_replay_batched`: every draft step reads the weights once for all of them; the torch
-    path's numbers), else one prompt at a time on the path draft_dtype / draft_backend choose."""
+    path's numbers), else one prompt at a time on the path draft_dtype / draft_backend choose.
+    only: replay just the records at these positions (the cache still covers all of them)."""
     from tqdm.auto import tqdm
 
     from .feature_cache import samples_fingerprint
@@ -225,10 +227,11 @@ def replay_runs(
     layers = list(draft.config.aux_layer_ids)
     longest = max(len(s.ids) for s in samples)
     runs: dict[str, list[SpecResult]] = {}
+    wanted = set(range(len(records))) if only is None else set(only)
     if batch_size is not None:
         if draft_dtype is not None or draft_backend == "native":
             raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
-        usable = [i for i, r in enumerate(records) if len(r["response_ids"]) >= 2]
+        usable = [i for i, r in enumerate(records) if len(r["response_ids"]) >= 2 and (only is None or i in wanted)]
         for start in tqdm(range(0, len(usable), batch_size), desc="replay tau (batched)", disable=not progress):
             chunk = usable[start : start + batch_size]
             for index, result in zip(chunk, _replay_batched(draft, [records[i] for i in chunk], samples, chunk,
@@ -237,6 +240,8 @@ def replay_runs(
         return runs
     decoder = native_decoder_for(draft, longest + k + 1, draft_dtype=draft_dtype, draft_backend=draft_backend)
     for index, record in enumerate(tqdm(records, desc="replay tau", disable=not progress)):
+        if index not in wanted:
+            continue
         prompt = torch.tensor([record["prompt_ids"]], dtype=torch.long)
         new = len(record["response_ids"])
         if new < 2:

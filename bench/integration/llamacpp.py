@@ -16,12 +16,14 @@ a second `build` costs nothing. See README.md beside this file.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -363,10 +365,11 @@ def speculative_simple(target: Path, prompt: str, spec_args: list[str], n_predic
     return cmd, parse_speculative(log)
 
 
-def plain_decode_speed(target: Path, n_predict: int, threads: int) -> tuple[list[str], float]:
-    """The target's own generation speed without speculation: llama-bench's tg test (avg_ts, tokens/s)."""
+def plain_decode_speed(target: Path, n_predict: int, threads: int, depth: int = 0) -> tuple[list[str], float]:
+    """The target's own generation speed without speculation: llama-bench's tg test (avg_ts, tokens/s)
+    after `depth` tokens of context."""
     cmd = [str(binary("llama-bench")), "-m", str(target), "-t", str(threads), "-p", "0", "-n", str(n_predict),
-           "-r", "3", "-o", "json"]
+           "-d", str(depth), "-r", "3", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -430,9 +433,104 @@ def check(args: argparse.Namespace) -> None:
                        "converter_differences": diffs, "load_average": os.getloadavg()[0]})
 
 
+NGRAM_MODES = (  # llama.cpp's draftless modes, with sizes that proposed tokens in `check` (the defaults propose none)
+    ("ngram-simple", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]),
+    ("ngram-map-k", ["--spec-type", "ngram-map-k"]),
+    ("ngram-mod", ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "3", "--spec-ngram-mod-n-min", "1"]),
+)
+
+
+def _pooled(runs: list[dict]) -> float | None:
+    """Tokens per target verification over runs: decoded tokens / their verification rounds
+    (decoded / mean acceptance length per run)."""
+    rounds = sum(r["decoded_tokens"] / r["mean_acceptance_length"] for r in runs if r.get("mean_acceptance_length"))
+    tokens = sum(r["decoded_tokens"] for r in runs if r.get("mean_acceptance_length"))
+    return tokens / rounds if rounds else None
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file, k = 1..5: mean acceptance
+    length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
+    without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import cpu_model, record
+    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.evaluation import pooled_tau, replay_runs
+    from elsi_fast.feature_cache import open_cache
+    from elsi_fast.regenerate import read_conversations
+
+    target = smollm2_path()
+    build(args.jobs, args.sdist)
+    model, tokenizer = load_target(target)
+    device = f"{cpu_model()} ({args.threads} threads)"
+    experiment = Path(args.experiment)
+    records = read_conversations(experiment / "eval" / "conversations.jsonl")
+    cache = open_cache(experiment / "cache-eval")
+    by_category: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_category.setdefault(r["category"], []).append(i)
+    chosen = sorted(i for indices in by_category.values() for i in indices[: args.per_category])
+    work = Path(args.out) / "measure"
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = [tokenizer.decode(records[i]["prompt_ids"]) for i in chosen]
+    depth = round(sum(len(records[i]["prompt_ids"]) for i in chosen) / len(chosen))
+    _, plain = plain_decode_speed(target, args.n_predict, args.threads, depth)
+    common = {"target": SMOLLM2_FILE, "prompts": len(chosen), "per_category": args.per_category,
+              "n_predict": args.n_predict, "threads": args.threads, "greedy": True, "stops_at": "end of turn",
+              "plain_decode_tokens_per_s": plain, "plain_depth": depth}
+    print(f"without speculation: {plain:.1f} tokens/s (llama-bench tg{args.n_predict} at depth {depth})", flush=True)
+    for name, spec_args in NGRAM_MODES + (("lookup", None),):
+        runs = [_lookup(target, p, args) if spec_args is None else
+                speculative_simple(target, p, spec_args, args.n_predict, args.threads)[1] for p in prompts]
+        speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        record(RESULTS_FILE, "llamacpp_spec_decoding", f"decode_tokens_per_s/{name}", speed, "tokens/s", device=device,
+               baseline=plain, ratio=speed / plain, params={**common, "mode": name, "runs": runs,
+                                                            "mean_acceptance_length": _pooled(runs)})
+        print(f"{name}: {speed:.1f} tokens/s ({speed / plain:.2f}x)", flush=True)
+    for draft_dir in args.drafts:
+        draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
+        gguf = work / f"{Path(draft_dir).name}-{args.draft_dtype}.gguf"
+        # the half-precision file llama.cpp users run (an f32 draft reads as many bytes per step as a Q4 target)
+        import torch
+
+        served = copy.deepcopy(draft).to({"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.draft_dtype])
+        served.save_pretrained(gguf, format="gguf", target=target)
+        for k in range(1, 6):
+            runs = [speculative_simple(target, p, ["-md", str(gguf), "--spec-type", "draft-eagle3",
+                                                   "--spec-draft-n-max", str(k)], args.n_predict, args.threads)[1]
+                    for p in prompts]
+            ours = pooled_tau(replay_runs(draft, records, cache, k=k, batch_size=len(chosen), only=chosen))["all"]
+            theirs = _pooled(runs)
+            speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
+            record(RESULTS_FILE, "llamacpp_spec_decoding", f"decode_tokens_per_s/draft-eagle3/k={k}", speed, "tokens/s",
+                   device=device, baseline=plain, ratio=speed / plain,
+                   params={**common, "draft": str(draft_dir), "layers": list(draft.config.aux_layer_ids), "k": k,
+                           "draft_gguf_dtype": args.draft_dtype,
+                           "llamacpp_mean_acceptance_length": theirs, "elsi_fast_replayed_tau": ours,
+                           "acceptance_ratio": theirs / ours if theirs and ours else None, "runs": runs,
+                           "loadavg": os.getloadavg()})
+            print(f"{Path(draft_dir).name} k={k}: llama.cpp acceptance {theirs:.3f} vs elsi-fast tau {ours:.3f}; "
+                  f"{speed:.1f} tokens/s ({speed / plain:.2f}x greedy)", flush=True)
+
+
+def _lookup(target: Path, prompt: str, args: argparse.Namespace) -> dict:
+    """llama-lookup (prompt lookup decoding) on one prompt, parsed like speculative-simple."""
+    cmd = [str(binary("llama-lookup")), "-m", str(target), "-p", prompt, "-n", str(args.n_predict), "-t",
+           str(args.threads), "--temp", "0", "-c", "1024", "-lv", "4", "--spec-draft-n-max", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-lookup failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return parse_speculative(done.stdout + done.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("source", "build", "check"))
+    p.add_argument("stage", choices=("source", "build", "check", "measure"))
+    p.add_argument("--drafts", nargs="+", default=[], help="`measure`: draft folders (EAGLE3 format) to serve")
+    p.add_argument("--experiment", default=str(ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"),
+                   help="`measure`: the draft experiment's folder (its evaluation continuations and their cache)")
+    p.add_argument("--per-category", type=int, default=8, help="`measure`: Spec-Bench prompts per category")
+    p.add_argument("--draft-dtype", choices=("f16", "bf16", "f32"), default="f16", help="`measure`: the draft GGUF's weights")
     p.add_argument("--sdist", type=Path, default=None,
                    help=f"a local {SDIST_NAME} to copy into the cache instead of downloading it")
     p.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs of `build`")
@@ -447,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             print(source_dir(args.sdist))
         elif args.stage == "build":
             print(build(args.jobs, args.sdist))
+        elif args.stage == "measure":
+            measure(args)
         else:
             check(args)
     except (RuntimeError, FileNotFoundError) as e:

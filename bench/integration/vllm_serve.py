@@ -251,22 +251,24 @@ def _prepare_target_and_analysis(args, out: Path) -> dict:
 def serve(job_path: str) -> None:
     """vLLM side (runs in the vLLM environment; imports nothing from elsi-fast).
 
-    Serves the target with one draft, greedy, and writes per prompt the generated ids and vLLM's
-    per-request acceptance record, plus vLLM's aggregate spec-decode counters.
+    Serves the target greedily, with one draft (job["draft"]) or without speculation, and writes
+    per prompt the generated ids and, with a draft, vLLM's per-request acceptance record, plus its
+    aggregate spec-decode counters. job["max_num_seqs"] > 1 batches the prompts (offline generation).
     """
     job = json.loads(Path(job_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    speculative = {}
+    if job.get("draft"):
+        speculative = {"speculative_config": {"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]},
+                       "per_request_spec_decode_metrics": "detailed"}
     start = time.perf_counter()
-    llm = LLM(
-        model=job["target"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
-        enforce_eager=True, max_num_seqs=1,
-        speculative_config={"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]},
-        per_request_spec_decode_metrics="detailed", disable_log_stats=False,
-    )
+    llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"], seed=0,
+              enforce_eager=True, max_num_seqs=job.get("max_num_seqs", 1), disable_log_stats=False, **speculative)
     init_seconds = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=job.get("ignore_eos", True),
+                            stop_token_ids=job.get("stop_token_ids"))
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params)
     generate_seconds = time.perf_counter() - start
@@ -275,10 +277,12 @@ def serve(job_path: str) -> None:
     results = []
     for output in outputs:
         completion = output.outputs[0]
-        metrics = completion.spec_decode_metrics
-        results.append({"tokens": list(completion.token_ids), "text": completion.text,
-                        "per_step_accepted": list(metrics.per_step_accepted),
-                        "per_step_drafted": list(metrics.per_step_drafted)})
+        result = {"tokens": list(completion.token_ids), "text": completion.text}
+        metrics = getattr(completion, "spec_decode_metrics", None)
+        if job.get("draft") and metrics is not None:
+            result.update(per_step_accepted=list(metrics.per_step_accepted),
+                          per_step_drafted=list(metrics.per_step_drafted))
+        results.append(result)
     import vllm
 
     Path(job["result"]).write_text(json.dumps({
