@@ -229,10 +229,58 @@ def _record_sweep(name: str, data, num_prompts: int) -> None:
                   f"{filtered:.5f} ({100 * reduction:+.1f}%)")
 
 
+def stage_report(names: list[str], runs: Path) -> str:
+    """Markdown tables of the finished cells (the numbers docs/real-models.md quotes)."""
+    lines = []
+    for name in names:
+        out = runs / name
+        if not (out / "report.json").is_file():
+            continue
+        report = LayerReport.from_json(str(out / "report.json"))
+        prompt = [e["entropy_prompt_mean"] for e in report.layers]
+        dataset = [e["entropy_dataset"] for e in report.layers]
+        lines += [f"### {name}", "",
+                  f"- prompt-mode entropy h_0..h_{report.num_hidden_layers}: " + " ".join(f"{v:.2f}" for v in prompt),
+                  f"- dataset-mode entropy: " + " ".join(f"{v:.2f}" for v in dataset),
+                  f"- peaks: prompt mode h_{int(np.argmax(prompt))} ({max(prompt):.3f}), dataset mode "
+                  f"h_{int(np.argmax(dataset))} ({max(dataset):.3f})",
+                  f"- compartments: {report.compartments} (boundaries {report.boundaries})",
+                  f"- tokens kept {100 * report.tokens['kept_fraction']:.1f}% at {report.options['min_token_entropy']} nats; "
+                  f"cross-prompt variance {report.entropy_variance.get('unfiltered', float('nan')):.4g} -> "
+                  f"{report.entropy_variance['filtered']:.4g} ({100 * report.entropy_variance.get('reduction', 0):+.1f}%)",
+                  f"- pass {report.timing['pass_seconds']:.0f} s, selection {report.timing['selection_seconds']:.0f} s", "",
+                  "| method | m | layers | H(concat) |", "|---|---|---|---|"]
+        for method, by_m in report.selections.items():
+            for m, layers in sorted(by_m.items()):
+                lines.append(f"| {method} | {m} | {layers} | {report.set_values.get(method, {}).get(m, float('nan')):.3f} |")
+        if (out / "stability.json").is_file():
+            stability = json.loads((out / "stability.json").read_text())
+            lines += ["", "| picks | all prompts | half A | half B | " + " | ".join(stability["categories"]) + " |",
+                      "|---" * (4 + len(stability["categories"])) + "|"]
+            for key, full in stability["full"]["picks"].items():
+                halves = [h["picks"][key] for h in stability["halves"]]
+                cats = [c["picks"][key] for c in stability["categories"].values()]
+                lines.append(f"| {key} | {full} | {halves[0]} | {halves[1]} | " + " | ".join(map(str, cats)) + " |")
+        if (out / "sweep.npz").is_file():
+            data = np.load(out / "sweep.npz")
+            counts, candidates = data["kept_counts"], data["candidates"]
+            usable = (counts >= EQUAL_TOKENS).all(1)
+            lines += ["", f"token-entropy filter ({int(usable.sum())} prompts keeping >= {EQUAL_TOKENS} tokens at every "
+                      "threshold): variance reduction of per-layer prompt-mode entropy", "",
+                      "| threshold (nats) | tokens kept | all kept tokens | 32 tokens each |", "|---|---|---|---|"]
+            for k, threshold in enumerate(THRESHOLDS):
+                kept = counts[usable, k].sum() / candidates[usable].sum()
+                reductions = [1 - _variance(data[mode][usable][:, k]) / _variance(data[mode][usable][:, 0])
+                              for mode in ("all_kept", "equal")]
+                lines.append(f"| {threshold} | {100 * kept:.1f}% | {100 * reductions[0]:+.1f}% | {100 * reductions[1]:+.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
-    parser.add_argument("--stages", nargs="+", default=["analyze", "sweep"], choices=["analyze", "sweep"])
+    parser.add_argument("--stages", nargs="+", default=["analyze", "sweep"], choices=["analyze", "sweep", "report"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-prompts", type=int, default=None, help="a smoke test on the first N prompts")
     parser.add_argument("--runs", type=Path, default=RUNS, help=f"where the cells are kept (default {RUNS})")
@@ -242,6 +290,9 @@ def main() -> None:
     from elsi_fast.threads import configure
 
     configure(args.threads)
+    if args.stages == ["report"]:
+        print(stage_report(args.models, args.runs))
+        return
     prompts = load_prompts(str(SPEC_BENCH), max_prompts=args.max_prompts)
     images = IMAGES if args.max_prompts is None else args.runs / "img"
     images.mkdir(parents=True, exist_ok=True)
