@@ -153,6 +153,109 @@ def stage_claims(model, tokenizer, out: Path, sets: dict, seeds: list[int]) -> N
             print(f"{name:<16} seed {seed}: tau(k=4) {result['tau']['4']['pooled']['all']:.3f}")
 
 
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _interval(values: list[float]) -> tuple[float, float]:
+    """(mean, 95% Student-t half-width) of `values` (half-width nan for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    return mean, _T975.get(n - 1, 1.96) * sd / n**0.5
+
+
+def stage_report(out: Path, images: Path | None = None) -> str:
+    """Markdown tables (and plots into `images`) of the finished claims cells: tau per set and
+    category at k = 4, paired differences against the EAGLE3 default over seeds, tau against k;
+    and the recipe cells."""
+    cells = [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/result.json"))]
+    claims = [c for c in cells if c["tag"] == "claims"]
+    sets = json.loads((out / "sets.json").read_text())
+    lines = [f"### {out.name}: claims cells ({len(claims)} drafts)", ""]
+    by_set: dict[str, dict[int, dict]] = {}
+    for cell in claims:
+        by_set.setdefault(cell["name"], {})[cell["seed"]] = cell
+    categories = sorted({c for cell in claims for c in cell["tau"]["4"]["pooled"] if c != "all"})
+    lines += ["| set | layers | seeds | " + " | ".join(["all", *categories]) + " | Δ all vs EAGLE3 (paired) |",
+              "|---" * (5 + len(categories)) + "|"]
+    reference = by_set.get("eagle3-m3", {})
+    for name in sets:
+        runs = by_set.get(name, {})
+        if not runs:
+            continue
+        row = [name, str(sets[name]), str(len(runs))]
+        for category in ["all", *categories]:
+            mean, half = _interval([r["tau"]["4"]["pooled"][category] for r in runs.values()])
+            row.append(f"{mean:.3f} ± {half:.3f}")
+        paired = [runs[s]["tau"]["4"]["pooled"]["all"] - reference[s]["tau"]["4"]["pooled"]["all"]
+                  for s in runs if s in reference]
+        if name != "eagle3-m3" and paired:
+            mean, half = _interval(paired)
+            row.append(f"{mean:+.3f} ± {half:.3f} (n={len(paired)})")
+        else:
+            row.append("0" if name == "eagle3-m3" else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "tau against k (mean over seeds):", "", "| set | " + " | ".join(f"k={k}" for k in KS) + " |",
+              "|---" * (1 + len(KS)) + "|"]
+    for name, runs in by_set.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{_interval([r['tau'][str(k)]['pooled']['all'] for r in runs.values()])[0]:.3f}" for k in KS) + " |")
+    recipe = [c for c in cells if c["name"] == "elsi-m1" and c["seed"] == 0 and c["tag"] in ("claims",) or
+              c["tag"].startswith("recipe-")]
+    if recipe:
+        lines += ["", "recipe (ELSI m=1, seed 0):", "",
+                  "| cell | init | draft vocab | TTT | steps | train tokens | train CPU-min | tau k=4 | tau per train CPU-hour |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in recipe:
+            r = c["recipe"]
+            tau = c["tau"]["4"]["pooled"]["all"]
+            lines.append(f"| {c['tag']} | {r['init']} | {r['draft_vocab_size']} | {r['ttt_steps']} | {r['steps']} | "
+                         f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
+                         f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
+    if images is not None and claims:
+        _plots(by_set, sets, categories, images, out.name)
+    return "\n".join(lines)
+
+
+def _plots(by_set: dict, sets: dict, categories: list[str], images: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images.mkdir(parents=True, exist_ok=True)
+    names = [n for n in sets if n in by_set]
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        stats = [_interval([r["tau"]["4"]["pooled"][c] for r in by_set[name].values()]) for c in ["all", *categories]]
+        ax.bar([x + i * width for x in range(len(stats))], [m for m, _ in stats], width,
+               yerr=[0 if h != h else h for _, h in stats], label=f"{name} {sets[name]}", capsize=2)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(1 + len(categories))], ["all", *categories], fontsize=8)
+    ax.set_ylabel("tau at k=4 (mean ± 95% CI over seeds)", fontsize=8)
+    lows = [min(r["tau"]["4"]["pooled"][c] for r in runs.values() for c in ["all", *categories]) for runs in by_set.values()]
+    ax.set_ylim(max(1.0, min(lows) - 0.2), None)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(f"{model}: acceptance length per category and layer set", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(images / f"{model.split('-')[0]}_tau_by_category.png")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4.6, 3.4), dpi=90)
+    for name in names:
+        ax.plot(KS, [_interval([r["tau"][str(k)]["pooled"]["all"] for r in by_set[name].values()])[0] for k in KS],
+                "o-", label=name)
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("tau (all 480 prompts)")
+    ax.set_xticks(KS)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(images / f"{model.split('-')[0]}_tau_vs_k.png")
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -170,8 +273,11 @@ def main() -> None:
     from elsi_fast.threads import configure
 
     configure(args.threads)
-    model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     out = args.runs / args.model
+    if args.stages == ["report"]:
+        print(stage_report(out, ROOT / "docs" / "img" if not args.smoke else args.runs / "img"))
+        return
+    model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     out.mkdir(parents=True, exist_ok=True)
     if "data" in args.stages:
         stage_data(model, tokenizer, out)
