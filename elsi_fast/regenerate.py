@@ -112,48 +112,105 @@ def regenerate(
         conversations.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     encoded = [encode_prompt(p, tokenizer)[-max_prompt_tokens:] for p in prompts]
-    # Batches of similar length, fixed by the prompts alone, so that a resumed run forms the same
-    # batches (and, sampling, draws the same seeds).
-    order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), ids[i]))
-    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     stop = _stop_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = target.get_input_embeddings().weight.device
+    # Prompts of similar length batched together, in an order fixed by the prompts alone.
+    order = [i for i in sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), ids[i])) if ids[i] not in done]
     from tqdm.auto import tqdm
 
-    todo = [(n, batch) for n, batch in enumerate(batches) if not all(ids[i] in done for i in batch)]
-    bar = tqdm(total=len(todo) * batch_size * max_new_tokens, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"regenerate (threads: {torch.get_num_threads()})")
-    generated, started = 0, time.perf_counter()
+    bar = tqdm(total=len(order), unit="answer", disable=not progress, desc=f"regenerate (threads: {torch.get_num_threads()})")
+    generated, answered, started = 0, 0, time.perf_counter()
     target.eval()
+
+    def write(sink, i: int, response: list[int]) -> None:
+        ended = bool(response) and response[-1] in stop
+        sink.write(json.dumps({
+            "id": ids[i], "category": prompts[i].category, "prompt": prompts[i].text,
+            "response": tokenizer.decode(response[:-1] if ended else response),
+            "prompt_ids": encoded[i], "response_ids": response, "stop": "eos" if ended else "length",
+        }) + "\n")
+
     with DeferredInterrupt("the conversations") as interrupt, open(conversations, "a") as sink:
-        for number, batch in todo:
-            rows = _generate(target, [encoded[i] for i in batch], max_new_tokens, temperature, seed + number,
-                             stop, pad, device)
-            for i, response in zip(batch, rows):
-                ended = bool(response) and response[-1] in stop
-                sink.write(json.dumps({
-                    "id": ids[i], "category": prompts[i].category, "prompt": prompts[i].text,
-                    "response": tokenizer.decode(response[:-1] if ended else response),
-                    "prompt_ids": encoded[i], "response_ids": response, "stop": "eos" if ended else "length",
-                }) + "\n")
-                generated += len(response)
-            sink.flush()
-            bar.update(batch_size * max_new_tokens)
-            bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - started):.1f}")
-            interrupt.raise_if_requested()
+        if temperature > 0:
+            # Sampled: whole batches of the fixed order, each with its own seed.
+            batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+            for number, batch in enumerate(batches):
+                rows = _generate(target, [encoded[i] for i in batch], [max_new_tokens] * len(batch), temperature,
+                                 seed + len(done) + number, stop, pad, device, finish_fraction=1.0)
+                for i, response in zip(batch, rows):
+                    write(sink, i, response)
+                    generated += len(response)
+                answered += len(batch)
+                sink.flush()
+                bar.update(len(batch))
+                bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - started):.1f}")
+                interrupt.raise_if_requested()
+        else:
+            # Greedy: a batch stops once most of its answers are finished; the others carry their
+            # partial answers into later batches (greedy decoding continues them exactly), so the
+            # batch is not held up by its longest answer. An answer is written when it is finished.
+            waiting = list(order)
+            carried: list[tuple[int, list[int]]] = []
+            while waiting or carried:
+                batch = carried[:batch_size]
+                carried = carried[len(batch):]
+                fresh = waiting[: batch_size - len(batch)]
+                waiting = waiting[len(fresh):]
+                batch += [(i, []) for i in fresh]
+                budgets = [max_new_tokens - len(partial) for _, partial in batch]
+                more = bool(waiting or carried)
+                rows = _generate(target, [encoded[i] + partial for i, partial in batch], budgets, 0.0, 0, stop, pad,
+                                 device, finish_fraction=_FINISH_FRACTION if more else 1.0)
+                for (i, partial), row, budget in zip(batch, rows, budgets):
+                    response = partial + row
+                    generated += len(row)
+                    if (row and row[-1] in stop) or len(row) >= budget:
+                        write(sink, i, response)
+                        answered += 1
+                        bar.update(1)
+                    else:
+                        carried.append((i, response))
+                sink.flush()
+                bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - started):.1f}")
+                interrupt.raise_if_requested()
     bar.close()
     seconds = time.perf_counter() - started
-    return {"prompts": len(prompts), "answered_now": sum(len(b) for _, b in todo), "new_tokens": generated,
+    return {"prompts": len(prompts), "answered_now": answered, "new_tokens": generated,
             "seconds": seconds, "new_tokens_per_s": generated / seconds if seconds else 0.0,
             "path": str(conversations)}
 
 
+# A greedy batch stops when this share of its answers is finished (the rest continue later).
+_FINISH_FRACTION = 0.75
+
+
+class _StopWhenMostFinished:
+    """transformers stopping criterion: row b is done at a stop token or after budgets[b] new tokens;
+    all rows stop once `fraction` of them are done."""
+
+    def __init__(self, prompt_width: int, budgets: list[int], stop: list[int], fraction: float):
+        self.width, self.fraction = prompt_width, fraction
+        self.budgets = torch.tensor(budgets)
+        self.stop = torch.tensor(stop)
+        self.finished = torch.zeros(len(budgets), dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids.shape[1] - self.width
+        self.finished |= torch.isin(input_ids[:, -1].cpu(), self.stop) | (new >= self.budgets)
+        if self.finished.float().mean() >= self.fraction:
+            return torch.ones_like(self.finished).to(input_ids.device)
+        return self.finished.clone().to(input_ids.device)
+
+
 @torch.inference_mode()
-def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
-              stop: list[int], pad: int, device) -> list[list[int]]:
-    """One batch through transformers' `generate` (left padding); each answer cut after its first
-    stop token."""
+def _generate(target, prompts: list[list[int]], budgets: list[int], temperature: float, seed: int,
+              stop: list[int], pad: int, device, finish_fraction: float) -> list[list[int]]:
+    """One batch through transformers' `generate` (left padding): row b gets at most budgets[b] new
+    tokens, cut after its first stop token; the batch ends once `finish_fraction` of its rows are
+    done (a row cut short then has fewer tokens than its budget and no stop token)."""
+    from transformers import StoppingCriteriaList
+
     width = max(map(len, prompts))
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -164,10 +221,13 @@ def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature
         {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     if temperature > 0:
         torch.manual_seed(seed)
+    criterion = _StopWhenMostFinished(width, budgets, stop, finish_fraction)
     output = target.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad, **sampling)
+                             max_new_tokens=max(budgets), eos_token_id=stop, pad_token_id=pad,
+                             stopping_criteria=StoppingCriteriaList([criterion]), **sampling)
     answers = []
-    for row in output[:, width:].tolist():
+    for row, budget in zip(output[:, width:].tolist(), budgets):
+        row = row[:budget]
         for j, token in enumerate(row):
             if token in stop:
                 row = row[: j + 1]

@@ -83,3 +83,27 @@ def test_bad_arguments(tmp_path):
         regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path, batch_size=0)
     with pytest.raises(ValueError, match="ids repeat"):
         regen.regenerate(TARGET, TOKENIZER, [PROMPTS[0], PROMPTS[0]], tmp_path)
+
+
+def test_answers_carried_over_from_a_batch_stopped_early_are_exact(tmp_path, monkeypatch):
+    """A greedy batch stops once most of its answers are finished (here half); the unfinished ones
+    continue in later batches from their partial answers and end with the tokens one-by-one
+    decoding gives."""
+    real, calls = regen._generate, []
+    # A stop token that some answers reach early and others late or never: the first token of
+    # one prompt's answer that other answers also contain.
+    answers = [_greedy_alone(p, 14) for p in PROMPTS]
+    counts = {tok: sum(tok in a for a in answers) for a in answers for tok in a}
+    stop = max(counts, key=lambda tok: (counts[tok] < len(answers), counts[tok]))
+    monkeypatch.setattr(regen, "_stop_ids", lambda target, tokenizer: [stop])
+    monkeypatch.setattr(regen, "_FINISH_FRACTION", 0.5)
+
+    def spy(target, prompts, budgets, *args, **kwargs):
+        calls.append(budgets)
+        return real(target, prompts, budgets, *args, **kwargs)
+
+    monkeypatch.setattr(regen, "_generate", spy)
+    regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path, max_new_tokens=14, batch_size=4, progress=False)
+    assert any(b < 14 for budgets in calls for b in budgets)  # some answer was carried over
+    for record in regen.read_conversations(tmp_path / regen.CONVERSATIONS_FILE):
+        assert record["response_ids"] == _greedy_alone(PROMPTS[int(record["id"][1:])], 14), record["id"]
