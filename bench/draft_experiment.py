@@ -63,10 +63,10 @@ def sets_of(report: LayerReport, model: str) -> dict[str, list[int]]:
 
 def stage_data(model, tokenizer, out: Path) -> None:
     train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
-    print(regenerate(model, tokenizer, train, out / "train", max_new_tokens=128, batch_size=16))
+    print(regenerate(model, tokenizer, train, out / "train", max_new_tokens=128, batch_size=48))
     evaluation = load_prompts(str(DATA / "spec_bench_question.jsonl"), max_prompts=MAX_PROMPTS)
     print(regenerate(model, tokenizer, evaluation, out / "eval", max_new_tokens=128, max_prompt_tokens=512,
-                     batch_size=8))
+                     batch_size=16))
 
 
 def stage_calibrate(model, tokenizer, out: Path) -> LayerReport:

@@ -97,7 +97,10 @@ def regenerate(
         raise ValueError("prompts: their ids repeat; each prompt needs its own id to be resumable")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size,
+    # Greedy answers do not depend on how prompts are batched, so a rerun may batch differently;
+    # sampled ones do (the seeds go by batch).
+    settings = {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                "batch_size": batch_size if temperature > 0 else None,
                 "temperature": float(temperature), "seed": seed, "target": _target_identity(target, tokenizer),
                 "prompts": hashlib.sha256(json.dumps([[i, p.text] for i, p in zip(ids, prompts)]).encode()).hexdigest()}
     settings_path = out / SETTINGS_FILE
