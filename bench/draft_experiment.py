@@ -5,9 +5,10 @@ so it continues across sessions.
 
     python bench/draft_experiment.py [--model smollm2-135m-instruct] [--stages data calibrate cache recipe claims]
 
-data:      the target answers train_instructions.jsonl (greedy, chat template, <= 128 new tokens:
-           `regenerate`) and gives its greedy continuation of every Spec-Bench prompt (<= 128 new
-           tokens, stopping at its end-of-turn token), once.
+data:      the target answers a balanced subset of train_instructions.jsonl, 100 prompts of each of
+           its 8 categories (greedy, chat template, <= 128 new tokens: `regenerate`), and gives its
+           greedy continuation of every Spec-Bench prompt (<= 128 new tokens, stopping at its
+           end-of-turn token), once; --full-data then answers all 2397 instructions.
 calibrate: `analyze` on the training instructions (the calibration set a user has): the layer sets.
 cache:     the target's states on both, for the union of every set's layers (bfloat16), once.
 recipe:    what buys tau per CPU-hour, on ELSI m=1 (seed 0): init random / target, draft vocabulary
@@ -46,6 +47,8 @@ RESULTS = "draft_experiment_cpu"
 KS = (1, 2, 3, 4, 5)
 MAX_TOKENS = 512  # per training conversation
 MAX_PROMPTS = None  # all (the smoke test takes a few)
+PER_CATEGORY = 100  # training conversations per category of the claims' balanced subset (800)
+FULL_DATA = False  # also regenerate all 2397 training instructions (--full-data)
 # The recipe every claims cell uses unless the recipe stage says otherwise (chosen from its cells).
 RECIPE = {"init": "target", "draft_vocab_size": 8192, "ttt_steps": 3, "steps": 120, "batch_size": 16,
           "lr": 3e-3, "warmup": 12}
@@ -61,12 +64,37 @@ def sets_of(report: LayerReport, model: str) -> dict[str, list[int]]:
     return sets
 
 
+def training_subset(prompts, tokenizer) -> list:
+    """PER_CATEGORY prompts of every category of the training instructions, the shortest first (a
+    balanced set that the regenerated data of any session so far covers first)."""
+    from elsi_fast.prompts import encode_prompt
+
+    by_category: dict[str, list] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    chosen = {p.id for group in by_category.values()
+              for p in sorted(group, key=lambda p: (len(encode_prompt(p, tokenizer)), p.id))[:PER_CATEGORY]}
+    return [p for p in prompts if p.id in chosen]
+
+
 def stage_data(model, tokenizer, out: Path) -> None:
+    """The balanced training subset first (what the claims train on), then the evaluation
+    continuations, then the rest of the training instructions (the data-scaling curve's larger
+    budgets). Answers already regenerated for the full set are reused for the subset."""
     train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
-    print(regenerate(model, tokenizer, train, out / "train", max_new_tokens=128, batch_size=48))
+    subset = training_subset(train, tokenizer)
+    folder = out / "train-subset"
+    if not (folder / CONVERSATIONS_FILE).is_file() and (out / "train" / CONVERSATIONS_FILE).is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        wanted = {p.id for p in subset}
+        reused = [r for r in read_conversations(out / "train" / CONVERSATIONS_FILE) if r["id"] in wanted]
+        (folder / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in reused))
+    print(regenerate(model, tokenizer, subset, folder, max_new_tokens=128, batch_size=48))
     evaluation = load_prompts(str(DATA / "spec_bench_question.jsonl"), max_prompts=MAX_PROMPTS)
     print(regenerate(model, tokenizer, evaluation, out / "eval", max_new_tokens=128, max_prompt_tokens=512,
                      batch_size=16))
+    if FULL_DATA:
+        print(regenerate(model, tokenizer, train, out / "train", max_new_tokens=128, batch_size=48))
 
 
 def stage_calibrate(model, tokenizer, out: Path) -> LayerReport:
@@ -90,8 +118,11 @@ def _records(out: Path, name: str) -> list[dict]:
     return read_conversations(out / name / CONVERSATIONS_FILE)
 
 
+TRAIN = "train-subset"  # the conversations the cells train on
+
+
 def stage_cache(model, tokenizer, out: Path, layers: list[int]) -> None:
-    train = conversation_samples(_records(out, "train"), tokenizer, MAX_TOKENS, model.config.vocab_size)
+    train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
     build(model, train, layers, out / "cache-train", dtype="bfloat16")
     build(model, continuation_samples(_records(out, "eval")), layers, out / "cache-eval", dtype="bfloat16")
 
@@ -103,7 +134,7 @@ def run_cell(model, tokenizer, out: Path, name: str, layers: list[int], seed: in
     done = cell / "result.json"
     if done.is_file():
         return json.loads(done.read_text())
-    train = conversation_samples(_records(out, "train"), tokenizer, MAX_TOKENS, model.config.vocab_size)
+    train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
     started = time.process_time()
     draft = train_draft(model, tokenizer, layers, train, out_dir=cell, feature_cache=open_cache(out / "cache-train"),
                         seed=seed, seq_len=MAX_TOKENS, save_every=10, **recipe)
@@ -264,10 +295,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--smoke", action="store_true", help="a minute-long check on a few prompts and steps")
+    parser.add_argument("--full-data", action="store_true", help="data stage: also all 2397 training instructions")
     args = parser.parse_args()
+    global FULL_DATA, MAX_PROMPTS, PER_CATEGORY
+    FULL_DATA = args.full_data
     if args.smoke:
-        global MAX_PROMPTS
-        MAX_PROMPTS = 12
+        MAX_PROMPTS, PER_CATEGORY = 12, 4
         RECIPE.update(steps=3, warmup=1, batch_size=4)
         os.environ.setdefault("ELSI_FAST_RESULTS_DIR", str(args.runs / "results"))
     from elsi_fast.threads import configure

@@ -226,7 +226,10 @@ def test_two_gloo_processes_give_the_weights_of_one(samples, tmp_path):
     for rank in (0, 1):
         weights = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
         for name, tensor in single.state_dict().items():
-            torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5)
+            # The all-reduce sums gradients in another order than one process does; Adam (lr 5e-3)
+            # turns that rounding into ~4e-5 on a weight, while training on the wrong rows moves
+            # weights by ~lr per step (the losses below pin the rows).
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-3, atol=3e-4)
     one = json.loads((tmp_path / "one" / "train_summary.json").read_text())["history"]
     two = json.loads((tmp_path / "ddp" / "train_summary.json").read_text())["history"]
     assert [h["loss"] for h in two] == pytest.approx([h["loss"] for h in one], rel=1e-4)
