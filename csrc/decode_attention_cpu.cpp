@@ -4,7 +4,8 @@
 // on the query length (and GQA with a mask copies K/V to every head first), so a 5-token verify
 // forward differed from five 1-token forwards in the last bits, and cost 3.5x the 1-token attention.
 // Here a row visits its visible keys in order, whatever the other rows: scores, max, exp-sum, then
-// the weighted sum of values, each in a fixed order.
+// the weighted sum of values, each in an order fixed by the visible keys alone. The exponentials
+// are a vectorized polynomial (~1 ulp): glibc's scalar expf was half the cost of a row.
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -26,70 +27,212 @@ namespace {
 #define ELSI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define ELSI_AVX2 __attribute__((target("avx2,fma")))
 
-using DotFn = float (*)(const float* a, const float* b, int64_t n);
-using AxpyFn = void (*)(float p, const float* v, float* out, int64_t n);  // out += p * v
+// The three passes of one query row over its n visible keys (their indices in idx, ascending):
+//   dots:     s[i] = scale * dot(q, key idx[i]), each in one fixed order;
+//   exp_sum:  s[i] = exp(s[i] - top) for i < n, returns their sum in a fixed order (s holds
+//             a multiple of 16 floats; the ones past n become 0);
+//   weighted: out = inv * sum_i s[i] * value idx[i], each column summed over i in order.
+struct Kernels {
+  void (*dots)(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale, float* s);
+  float (*exp_sum)(float* s, int64_t n, float top);
+  void (*weighted)(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
+                   float* out);
+};
 
-float dot_scalar(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-void axpy_scalar(float p, const float* v, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
-}
-
-// Two accumulators (alternate 8-column chunks) halve the FMA latency chain of a 64-wide head.
-ELSI_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+// ---------------------------------------------------------------- scalar fallback
+void dots_scalar(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale, float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* key = keys + idx[i] * hd;
+    float dot = 0.f;
+    for (int64_t c = 0; c < hd; ++c) dot += q[c] * key[c];
+    s[i] = dot * scale;
   }
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+}
+
+float exp_sum_scalar(float* s, int64_t n, float top) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += s[i] = std::exp(s[i] - top);
+  return sum;
+}
+
+void weighted_scalar(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
+                     float* out) {
+  std::fill(out, out + hd, 0.f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < hd; ++c) out[c] += s[i] * values[idx[i] * hd + c];
+  for (int64_t c = 0; c < hd; ++c) out[c] *= inv;
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA
+ELSI_AVX2 inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-ELSI_AVX2 void axpy_avx2(float p, const float* v, float* out, int64_t n) {
-  const __m256 pv = _mm256_set1_ps(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-  for (; i < n; ++i) out[i] += p * v[i];
+// exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); below -87.3 it returns ~1e-38,
+// not 0, which next to the row maximum's exp(0) = 1 is nothing.
+ELSI_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365448f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-ELSI_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+// Two accumulators over alternate 8-column chunks halve the FMA latency chain; the keys are
+// independent, so the out-of-order core overlaps consecutive ones.
+ELSI_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+                         float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* key = keys + idx[i] * hd;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= hd; c += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(key + c + 8), acc1);
+    }
+    float dot = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; c < hd; ++c) dot += q[c] * key[c];
+    s[i] = dot * scale;
   }
-  if (i + 16 <= n) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    i += 16;
-  }
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
-ELSI_AVX512 void axpy_avx512(float p, const float* v, float* out, int64_t n) {
-  const __m512 pv = _mm512_set1_ps(p);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
-  for (; i < n; ++i) out[i] += p * v[i];
+ELSI_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
+  const __m256 shift = _mm256_set1_ps(top), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - i)), _CMP_LT_OQ);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift)), live);
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum8(sum);
 }
+
+// Columns in blocks of up to 64 (8 accumulators in registers across all keys), then 8, then 1.
+ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
+                             float* out) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 p = _mm256_set1_ps(s[i]);
+      const float* v = values + idx[i] * hd + c0;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + c0 + 8 * k, _mm256_mul_ps(acc[k], _mm256_set1_ps(inv)));
+  }
+  for (; c0 + 8 <= hd; c0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(values + idx[i] * hd + c0), acc);
+    _mm256_storeu_ps(out + c0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+  for (; c0 < hd; ++c0) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[idx[i] * hd + c0];
+    out[c0] = acc * inv;
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512
+ELSI_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365448f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
+}
+
+ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+                             float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* key = keys + idx[i] * hd;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 32 <= hd; c += 32) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(key + c), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(key + c + 16), acc1);
+    }
+    if (c + 16 <= hd) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(key + c), acc0);
+      c += 16;
+    }
+    float dot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; c < hd; ++c) dot += q[c] * key[c];
+    s[i] = dot * scale;
+  }
+}
+
+ELSI_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift)));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
+                                 float inv, float* out) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64) {
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 p = _mm512_set1_ps(s[i]);
+      const float* v = values + idx[i] * hd + c0;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * k), acc[k]);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + c0 + 16 * k, _mm512_mul_ps(acc[k], _mm512_set1_ps(inv)));
+  }
+  for (; c0 + 16 <= hd; c0 += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_loadu_ps(values + idx[i] * hd + c0), acc);
+    _mm512_storeu_ps(out + c0, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  }
+  for (; c0 < hd; ++c0) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[idx[i] * hd + c0];
+    out[c0] = acc * inv;
+  }
+}
+
+const Kernels kScalar{dots_scalar, exp_sum_scalar, weighted_scalar};
+const Kernels kAvx2{dots_avx2, exp_sum_avx2, weighted_avx2};
+const Kernels kAvx512{dots_avx512, exp_sum_avx512, weighted_avx512};
 
 struct Call {
   const DecodeAttention* a;
-  DotFn dot;
-  AxpyFn axpy;
+  const Kernels* k;
 };
 
 void attend(void* ctx, int64_t item) {
@@ -97,47 +240,32 @@ void attend(void* ctx, int64_t item) {
   const DecodeAttention& a = *c.a;
   const int64_t h = item / a.rows, t = item % a.rows, hd = a.head_dim;
   const int64_t kv = h / (a.heads / a.kv_heads);
-  const float* q = a.q + h * a.q_head_stride + t * a.q_row_stride;
-  const float* keys = a.k + kv * a.keys * hd;
-  const float* values = a.v + kv * a.keys * hd;
   const bool* mask = a.mask ? a.mask + t * a.keys : nullptr;
   const int64_t end = !mask && a.causal ? a.keys - a.rows + t + 1 : a.keys;  // keys [0, end) may be seen
-  thread_local std::vector<float> scores, acc;
-  scores.resize(std::max<int64_t>(end, 1));
-  acc.assign(hd, 0.f);
-
-  float top = -std::numeric_limits<float>::infinity();
-  int64_t seen = 0;
-  for (int64_t j = 0; j < end; ++j) {
-    if (mask && !mask[j]) continue;
-    scores[j] = c.dot(q, keys + j * hd, hd) * a.scale;
-    top = std::max(top, scores[j]);
-    ++seen;
-  }
-  float denom = 0.f;
-  for (int64_t j = 0; j < end; ++j) {
-    if (mask && !mask[j]) continue;
-    scores[j] = std::exp(scores[j] - top);
-    denom += scores[j];
-  }
-  for (int64_t j = 0; j < end; ++j) {
-    if (mask && !mask[j]) continue;
-    c.axpy(scores[j], values + j * hd, acc.data(), hd);
-  }
+  thread_local std::vector<int64_t> idx;
+  thread_local std::vector<float> s;
+  idx.resize(end);
+  s.resize((end + 15) / 16 * 16);
+  int64_t n = 0;
+  for (int64_t j = 0; j < end; ++j)
+    if (!mask || mask[j]) idx[n++] = j;
   float* out = a.out + (t * a.heads + h) * hd;
-  const float inv = seen ? 1.0f / denom : 0.f;
-  for (int64_t i = 0; i < hd; ++i) out[i] = acc[i] * inv;
+  if (n == 0) {
+    std::fill(out, out + hd, 0.f);
+    return;
+  }
+  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv * a.keys * hd, idx.data(), n, hd, a.scale,
+            s.data());
+  const float top = *std::max_element(s.begin(), s.begin() + n);
+  const float denom = c.k->exp_sum(s.data(), n, top);
+  c.k->weighted(s.data(), a.v + kv * a.keys * hd, idx.data(), n, hd, 1.0f / denom, out);
 }
 
 }  // namespace
 
 void decode_attention_cpu(const DecodeAttention& a, int num_threads) {
   const char* isa = cpu_isa();
-  Call call{&a, dot_scalar, axpy_scalar};
-  if (std::strcmp(isa, "avx512") == 0)
-    call = {&a, dot_avx512, axpy_avx512};
-  else if (std::strcmp(isa, "avx2") == 0)
-    call = {&a, dot_avx2, axpy_avx2};
+  Call call{&a, std::strcmp(isa, "avx512") == 0 ? &kAvx512 : std::strcmp(isa, "avx2") == 0 ? &kAvx2 : &kScalar};
   run_parallel(num_threads, a.heads * a.rows, attend, &call);
 }
 

@@ -1,5 +1,5 @@
 // torch.library registration of the fused draft decode step (CPU, and CUDA in CUDA builds), of the
-// target runtime's small-batch linear and decode attention ops (CPU) and the pybind11 module
+// target runtime's small-batch linear, decode attention and RMSNorm ops (CPU) and the pybind11 module
 // `elsi_fast._C`. This is the only translation unit that includes torch headers.
 
 #include <ATen/ATen.h>
@@ -303,6 +303,21 @@ at::Tensor decode_attention_cpu_op(const at::Tensor& q, const at::Tensor& k, con
   return out;
 }
 
+constexpr const char* kNormOp = "rms_norm";
+
+// transformers' Llama / Qwen / Mistral RMSNorm in fp32: x [..., d] contiguous, weight [d].
+at::Tensor rms_norm_cpu_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_dtype(x, "x", {at::kFloat}, kNormOp);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous() && x.device().is_cpu(), kNormOp,
+                    ": x must be a contiguous CPU tensor [..., d], got ", x.sizes(), " on ", x.device());
+  check_dtype(weight, "weight", {at::kFloat}, kNormOp);
+  check_tensor(weight, "weight", x.device(), {x.size(-1)}, kNormOp);
+  at::Tensor y = at::empty_like(x);
+  rms_norm_cpu(x.data_ptr<float>(), weight.data_ptr<float>(), x.numel() / x.size(-1), x.size(-1),
+               static_cast<float>(eps), y.data_ptr<float>());
+  return y;
+}
+
 #ifdef ELSI_FAST_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> draft_decode_step_cuda_op(
     const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
@@ -350,12 +365,14 @@ TORCH_LIBRARY(elsi_fast, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int num_threads) "
       "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(elsi_fast, CPU, m) {
   m.impl("draft_decode_step", &elsi_fast::draft_decode_step_cpu_op);
   m.impl("small_linear", &elsi_fast::small_linear_cpu_op);
   m.impl("decode_attention", &elsi_fast::decode_attention_cpu_op);
+  m.impl("rms_norm", &elsi_fast::rms_norm_cpu_op);
 }
 
 #ifdef ELSI_FAST_WITH_CUDA

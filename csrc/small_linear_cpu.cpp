@@ -77,7 +77,7 @@ void prep_natural(const float* x, int64_t cols, int64_t padded, float* out) {
 
 inline void prefetch_ahead(const void* tile) {
   const char* ahead = static_cast<const char*>(tile) + kPrefetchBytes;
-  for (int64_t line = 0; line < kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  for (int64_t line = 0; line < kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
 }
 
 // Keeps v in a register: otherwise GCC folds a load into every FMA that uses it and loads one weight

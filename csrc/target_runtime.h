@@ -1,8 +1,8 @@
 // The target runtime's CPU pieces (elsi_fast/target_runtime.py): a small-batch linear layer and a
-// decode attention for forwards of 1..kLinearMaxRows tokens at batch 1, and the thread pool both
-// run on. No torch headers.
+// decode attention for forwards of 1..kLinearMaxRows tokens at batch 1, a fused RMSNorm, and the
+// thread pool the first two run on. No torch headers.
 //
-// Both compute every output row in an order that does not depend on how many rows share the call,
+// All compute every output row in an order that does not depend on how many rows share the call,
 // so a verify forward of k+1 tokens equals k+1 one-token forwards bit for bit.
 #pragma once
 
@@ -57,6 +57,10 @@ struct DecodeAttention {
 };
 
 void decode_attention_cpu(const DecodeAttention& a, int num_threads);
+
+// ------------------------------------------------------------------------------------- RMSNorm
+// y [rows, d] = weight * (x * (1 / sqrt(mean(x^2) + eps))) row by row, fp32.
+void rms_norm_cpu(const float* x, const float* weight, int64_t rows, int64_t d, float eps, float* y);
 
 // ------------------------------------------------------------------------------------- threads
 // fn(ctx, i) for every i in [0, n) on the calling thread and num_threads - 1 pool helpers. Helpers

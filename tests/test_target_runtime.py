@@ -144,6 +144,28 @@ def test_attention_matches_float64_and_rows_are_independent(masked, cpu_isa):
             assert torch.equal(out[:, t], alone[:, 0]), (rows, t)
 
 
+# ----------------------------------------------------------------------------- rms_norm
+def test_rms_norm_matches_float64_and_rows_are_independent(cpu_isa):
+    gen = torch.Generator().manual_seed(4)
+    for d in (1, 7, 64, 577):
+        weight = torch.randn(d, generator=gen)
+        x = torch.randn(2, 5, d, generator=gen) * 3
+        y = torch.ops.elsi_fast.rms_norm.default(x, weight, 1e-5)
+        xd = x.double()
+        ref = weight.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+        assert torch.equal(y[1, 3], torch.ops.elsi_fast.rms_norm.default(x[1, 3:4], weight, 1e-5)[0])
+
+
+def test_prefill_linears_stay_torch():
+    model = MODELS["llama"]()
+    x = torch.randn(1, rt.MAX_ROWS + 1, 64)
+    with rt.accelerate(model, "bf16"), torch.no_grad():
+        assert torch.equal(model.lm_head(x), nn.functional.linear(x, model.lm_head.weight))
+        native = model.lm_head(x[:, :2])  # bf16 weights: not torch's fp32 product
+        assert not torch.equal(native, nn.functional.linear(x[:, :2], model.lm_head.weight))
+
+
 def test_attention_rejects_bad_input():
     q, kv = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 12, 8)
     with pytest.raises(ValueError, match="rows <= 8"):
@@ -212,10 +234,11 @@ def test_verify_forward_matches_torch_and_single_forwards(name, weight_dtype):
     # GEMM and attention), then torch's verify forward with the weights the runtime multiplies by.
     torch_prefill, ref_cache = _forward(model, PROMPT)
     ref_logits, _ = _forward(rounded_copy(model, weight_dtype), verify, ref_cache)
+    norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
     with rt.accelerate(model, weight_dtype) as runtime:
-        assert runtime.describe().endswith("native attention)")
-        prefill, cache = _forward(model, PROMPT)
-        assert torch.equal(prefill, torch_prefill)
+        assert runtime.describe().endswith(f"{norms} norms, native attention)")
+        prefill, cache = _forward(model, PROMPT)  # torch's GEMM and attention, the native norms
+        torch.testing.assert_close(prefill, torch_prefill, rtol=1e-5, atol=1e-5)
         logits, _ = _forward(model, verify, cache)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
         _, cache = _forward(model, PROMPT)
