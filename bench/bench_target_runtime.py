@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import device_name, record  # noqa: E402
 from elsi_fast import target_runtime  # noqa: E402
 from elsi_fast.loading import load_model  # noqa: E402
+from elsi_fast.speculative import cache_kwarg  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = (1, 2, 3, 5, 8)
@@ -65,15 +66,16 @@ class Contender:
         self.model = model
         self.forward = forward
         self.cache = DynamicCache(config=model.config)
+        self.kwargs = {cache_kwarg(model): self.cache, "use_cache": True}
         with torch.no_grad():
-            model(input_ids=context, cache=self.cache, use_cache=True)  # the prefill: torch's GEMM either way
+            model(input_ids=context, **self.kwargs)  # the prefill: torch's GEMM either way
         self.context = context.shape[1]
 
     @torch.no_grad()
     def time_forward(self, tokens: int, gen: torch.Generator) -> float:
         ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), generator=gen)
         start = time.perf_counter()
-        self.forward(input_ids=ids, cache=self.cache, use_cache=True)
+        self.forward(input_ids=ids, **self.kwargs)
         seconds = time.perf_counter() - start
         self.cache.crop(-tokens)
         return seconds

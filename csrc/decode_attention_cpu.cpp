@@ -31,7 +31,8 @@ namespace {
 //   dots:     s[i] = scale * dot(q, key idx[i]), each in one fixed order;
 //   exp_sum:  s[i] = exp(s[i] - top) for i < n, returns their sum in a fixed order (s holds
 //             a multiple of 16 floats; the ones past n become 0);
-//   weighted: out = inv * sum_i s[i] * value idx[i], each column summed over i in order.
+//   weighted: out = inv * sum_i s[i] * value idx[i], each column summed over i in order;
+// idx null: the keys 0 .. n-1 (a causal row).
 struct Kernels {
   void (*dots)(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale, float* s);
   float (*exp_sum)(float* s, int64_t n, float top);
@@ -42,7 +43,7 @@ struct Kernels {
 // ---------------------------------------------------------------- scalar fallback
 void dots_scalar(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale, float* s) {
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = keys + idx[i] * hd;
+    const float* key = keys + (idx ? idx[i] : i) * hd;
     float dot = 0.f;
     for (int64_t c = 0; c < hd; ++c) dot += q[c] * key[c];
     s[i] = dot * scale;
@@ -59,7 +60,7 @@ void weighted_scalar(const float* s, const float* values, const int64_t* idx, in
                      float* out) {
   std::fill(out, out + hd, 0.f);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < hd; ++c) out[c] += s[i] * values[idx[i] * hd + c];
+    for (int64_t c = 0; c < hd; ++c) out[c] += s[i] * values[(idx ? idx[i] : i) * hd + c];
   for (int64_t c = 0; c < hd; ++c) out[c] *= inv;
 }
 
@@ -88,21 +89,46 @@ ELSI_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-// Two accumulators over alternate 8-column chunks halve the FMA latency chain; the keys are
-// independent, so the out-of-order core overlaps consecutive ones.
+// One key's dot as every key gets it: two accumulators over alternate 8-column chunks (half the FMA
+// latency chain), their sum reduced, then the columns past the last 16 one by one.
+ELSI_AVX2 inline float finish_dot8(__m256 acc0, __m256 acc1, const float* q, const float* key, int64_t c, int64_t hd) {
+  float dot = hsum8(_mm256_add_ps(acc0, acc1));
+  for (; c < hd; ++c) dot += q[c] * key[c];
+  return dot;
+}
+
+// Four keys at a time share each load of q; the rest one by one, with the same arithmetic per key.
 ELSI_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                          float* s) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* key = keys + idx[i] * hd;
+  const int64_t body = hd / 16 * 16;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* key[4];
+    __m256 acc0[4], acc1[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      key[r] = keys + (idx ? idx[i + r] : i + r) * hd;
+      acc0[r] = acc1[r] = _mm256_setzero_ps();
+    }
+    for (int64_t c = 0; c < body; c += 16) {
+      const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        acc0[r] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(key[r] + c), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(key[r] + c + 8), acc1[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) s[i + r] = finish_dot8(acc0[r], acc1[r], q, key[r], body, hd) * scale;
+  }
+  for (; i < n; ++i) {
+    const float* key = keys + (idx ? idx[i] : i) * hd;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= hd; c += 16) {
+    for (int64_t c = 0; c < body; c += 16) {
       acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(key + c), acc0);
       acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(key + c + 8), acc1);
     }
-    float dot = hsum8(_mm256_add_ps(acc0, acc1));
-    for (; c < hd; ++c) dot += q[c] * key[c];
-    s[i] = dot * scale;
+    s[i] = finish_dot8(acc0, acc1, q, key, body, hd) * scale;
   }
 }
 
@@ -128,7 +154,7 @@ ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t*
     for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       const __m256 p = _mm256_set1_ps(s[i]);
-      const float* v = values + idx[i] * hd + c0;
+      const float* v = values + (idx ? idx[i] : i) * hd + c0;
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
     }
@@ -137,12 +163,13 @@ ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t*
   }
   for (; c0 + 8 <= hd; c0 += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(values + idx[i] * hd + c0), acc);
+    for (int64_t i = 0; i < n; ++i)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(values + (idx ? idx[i] : i) * hd + c0), acc);
     _mm256_storeu_ps(out + c0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
   }
   for (; c0 < hd; ++c0) {
     float acc = 0.f;
-    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[idx[i] * hd + c0];
+    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[(idx ? idx[i] : i) * hd + c0];
     out[c0] = acc * inv;
   }
 }
@@ -168,7 +195,7 @@ ELSI_AVX512 inline __m512 exp16(__m512 x) {
 ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                              float* s) {
   for (int64_t i = 0; i < n; ++i) {
-    const float* key = keys + idx[i] * hd;
+    const float* key = keys + (idx ? idx[i] : i) * hd;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 32 <= hd; c += 32) {
@@ -206,7 +233,7 @@ ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int6
     for (int k = 0; k < 4; ++k) acc[k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       const __m512 p = _mm512_set1_ps(s[i]);
-      const float* v = values + idx[i] * hd + c0;
+      const float* v = values + (idx ? idx[i] : i) * hd + c0;
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * k), acc[k]);
     }
@@ -216,12 +243,12 @@ ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int6
   for (; c0 + 16 <= hd; c0 += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_loadu_ps(values + idx[i] * hd + c0), acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_loadu_ps(values + (idx ? idx[i] : i) * hd + c0), acc);
     _mm512_storeu_ps(out + c0, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
   }
   for (; c0 < hd; ++c0) {
     float acc = 0.f;
-    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[idx[i] * hd + c0];
+    for (int64_t i = 0; i < n; ++i) acc += s[i] * values[(idx ? idx[i] : i) * hd + c0];
     out[c0] = acc * inv;
   }
 }
@@ -244,21 +271,25 @@ void attend(void* ctx, int64_t item) {
   const int64_t end = !mask && a.causal ? a.keys - a.rows + t + 1 : a.keys;  // keys [0, end) may be seen
   thread_local std::vector<int64_t> idx;
   thread_local std::vector<float> s;
-  idx.resize(end);
   s.resize((end + 15) / 16 * 16);
-  int64_t n = 0;
-  for (int64_t j = 0; j < end; ++j)
-    if (!mask || mask[j]) idx[n++] = j;
+  int64_t n = end;
+  if (mask) {  // the visible keys' indices; a causal row sees 0 .. end-1
+    idx.resize(end);
+    n = 0;
+    for (int64_t j = 0; j < end; ++j)
+      if (mask[j]) idx[n++] = j;
+  }
+  const int64_t* visible = mask ? idx.data() : nullptr;
   float* out = a.out + (t * a.heads + h) * hd;
   if (n == 0) {
     std::fill(out, out + hd, 0.f);
     return;
   }
-  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv * a.keys * hd, idx.data(), n, hd, a.scale,
+  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv * a.keys * hd, visible, n, hd, a.scale,
             s.data());
   const float top = *std::max_element(s.begin(), s.begin() + n);
   const float denom = c.k->exp_sum(s.data(), n, top);
-  c.k->weighted(s.data(), a.v + kv * a.keys * hd, idx.data(), n, hd, 1.0f / denom, out);
+  c.k->weighted(s.data(), a.v + kv * a.keys * hd, visible, n, hd, 1.0f / denom, out);
 }
 
 }  // namespace

@@ -109,6 +109,12 @@ def _crop(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+def cache_kwarg(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: transformers renamed `past_key_values` to
+    `cache` in 5.2x (the cache object is updated in place either way)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class _TargetRunner:
     """Forward passes of the target with its KV cache and the aux hidden states captured (none
     when `aux_layer_ids` is empty: greedy decoding)."""
@@ -119,10 +125,7 @@ class _TargetRunner:
         self.target = target
         self.layers = list(aux_layer_ids)
         self.cache = DynamicCache(config=target.config)
-        # transformers renamed `past_key_values` to `cache` in 5.2x; the cache object is updated
-        # in place either way.
-        params = inspect.signature(target.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(target)
         self.seconds = 0.0
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from elsi_fast import target_runtime as rt
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
 from elsi_fast.draft.quant import dequantize_int8, quantize_int8
-from elsi_fast.speculative import greedy_generate, speculative_generate
+from elsi_fast.speculative import cache_kwarg, greedy_generate, speculative_generate
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason="native extension not built")
 
@@ -212,7 +212,7 @@ def _forward(model, ids, cache=None):
 
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
-        return model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0], cache
+        return model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_kwarg(model): cache}).logits[0], cache
 
 
 def rounded_copy(model, weight_dtype: str):
