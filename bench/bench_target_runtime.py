@@ -7,7 +7,10 @@ each rolled back afterwards as speculative decoding rolls back rejected position
   torch       the model as loaded (eager, sdpa attention, DynamicCache);
   rt-fp32, rt-bf16, rt-int8
               the same model on `elsi_fast.target_runtime.accelerate` with fp32 / bf16 / int8 weights;
-  compile     (--compile) `torch.compile(model.forward, dynamic=True)` of the eager model;
+  compile, rt-<w>+compile
+              (--compile) `torch.compile(model.forward, dynamic=True)` of the eager model and of each
+              runtime model (the runtime's ops have fake kernels; a crop of the cache changes its
+              strides, so every model compiles three times: 1 token, more tokens, cropped cache);
 at 1 and 2 threads, timed round-robin in one process (each round runs every contender, thread
 count and T once; medians over --reps rounds). Every weight page is touched first (the model is
 loaded memory-mapped, and the runtime reads the token embedding only row by row).
@@ -90,7 +93,8 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", default=list(target_runtime.WEIGHT_DTYPES),
                         choices=target_runtime.WEIGHT_DTYPES, help="runtime weight dtypes to time")
     parser.add_argument("--busy", type=int, default=0, help="spinning neighbour processes during the timings")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile of the eager model")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile of the eager and of every runtime model (minutes each)")
     parser.add_argument("--no-record", action="store_true", help="print only")
     args = parser.parse_args()
     args.tokens = sorted(set(args.tokens) | {1})  # the ratios are to T = 1
@@ -106,16 +110,18 @@ def main() -> None:
         copy_ = copy.deepcopy(model)
         runtimes.append(target_runtime.accelerate(copy_, dtype))
         contenders.append(Contender(f"rt-{dtype}", copy_, copy_, context))
-    compile_seconds = None
+    compile_seconds = {}
     if args.compile:
-        compiled = copy.deepcopy(model)
-        forward = torch.compile(compiled.forward, dynamic=True)
-        contender = Contender("compile", compiled, forward, context)
-        start = time.perf_counter()
-        for tokens in args.tokens:  # compile (and recompile per shape class) before timing
-            contender.time_forward(tokens, torch.Generator().manual_seed(1))
-        compile_seconds = time.perf_counter() - start
-        contenders.append(contender)
+        for c in list(contenders):
+            # the same model (weights, runtime patches), its own KV cache
+            name = "compile" if c.name == "torch" else f"{c.name}+compile"
+            contender = Contender(name, c.model, torch.compile(c.model.forward, dynamic=True), context)
+            start = time.perf_counter()
+            for _ in range(2):  # every shape class and the cropped cache's strides, before timing
+                for tokens in args.tokens:
+                    contender.time_forward(tokens, torch.Generator().manual_seed(1))
+            compile_seconds[name] = time.perf_counter() - start
+            contenders.append(contender)
 
     spinners = _spinners(args.busy)
     try:
@@ -147,8 +153,9 @@ def main() -> None:
     describe = {c.name: "torch eager (sdpa, DynamicCache)" for c in contenders}
     describe.update({f"rt-{rt.weight_dtype}": f"elsi-fast target runtime, {rt.weight_dtype} weights, "
                      f"{len(rt.linears)} linears, native attention" for rt in runtimes})
-    if compile_seconds is not None:
-        describe["compile"] = f"torch.compile(dynamic=True), {compile_seconds:.0f} s to compile {len(args.tokens)} shapes"
+    for name, seconds in compile_seconds.items():
+        base = describe["torch" if name == "compile" else name.removesuffix("+compile")]
+        describe[name] = f"torch.compile(dynamic=True) of {base}; {seconds:.0f} s of compiling and warm-up"
     print(f"load average {load_before} -> {load_after}, busy neighbours {args.busy}")
     print(f"{'contender':10} {'thr':>3} " + " ".join(f"{'T=' + str(t):>8}" for t in args.tokens) + "   T/T1")
     for c in contenders:
