@@ -151,8 +151,9 @@ def main() -> None:
               "load_average_after": [round(x, 2) for x in load_after],
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "isa": target_runtime._C.cpu_isa()}
     describe = {c.name: "torch eager (sdpa, DynamicCache)" for c in contenders}
-    describe.update({f"rt-{rt.weight_dtype}": f"elsi-fast target runtime, {rt.weight_dtype} weights, "
-                     f"{len(rt.linears)} linears, native attention" for rt in runtimes})
+    describe.update({f"rt-{rt.weight_dtype}": f"elsi-fast target runtime, {rt.weight_dtype} weights "
+                     f"({rt.weight_bytes / 2**20:.0f} MiB packed), {len(rt.linears)} linears, {len(rt.norms)} norms, "
+                     "native attention" for rt in runtimes})
     for name, seconds in compile_seconds.items():
         base = describe["torch" if name == "compile" else name.removesuffix("+compile")]
         describe[name] = f"torch.compile(dynamic=True) of {base}; {seconds:.0f} s of compiling and warm-up"

@@ -1,4 +1,4 @@
-"""The target's decode and verify forwards on elsi-fast's small-batch linear op (CPU).
+"""The target's decode and verify forwards on elsi-fast's own CPU ops.
 
 At batch 1 a decode step reads every weight once, and a verify forward of k+1 tokens should cost
 barely more. In eager torch it does not: on a 2-core Zen 3 `aten::mm` with 2 rows cost 1.9x the
@@ -16,12 +16,14 @@ Mistral and Qwen models (fp32) become `torch.ops.elsi_fast.rms_norm`, the same f
 instead of six (about 100 us a call in eager torch on a 2-core Zen 3, 61 calls a SmolLM2 forward).
 RoPE, the KV cache and everything else stay the model's own torch code.
 
-Each output row of both ops is computed in the same order whatever the number of rows, so a verify
-forward of k+1 tokens computes exactly the logits of k+1 one-token forwards and speculative
-decoding on the runtime emits exactly the runtime's own greedy decoding (`greedy_generate`).
+Each output row of the three ops is computed in the same order whatever the number of rows, so a
+verify forward of k+1 tokens computes exactly the logits of k+1 one-token forwards (for widths that
+are multiples of 16, as in real models: torch's own elementwise ops send a tensor's last
+`numel % 16` elements down a scalar path) and speculative decoding on the runtime emits exactly the
+runtime's own greedy decoding (`speculative.greedy_generate`).
 
-The op has no autograd formula: with gradients enabled and a weight or input that requires them,
-the module runs torch's own forward. The packed weights are a copy (fp32: as large as the model).
+The ops have no autograd formula: with gradients enabled and a weight or input that requires them,
+a module runs torch's own forward. The packed weights are a copy (fp32: as large as the model).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ WEIGHT_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 # Activation dtypes the op takes (a model in another dtype keeps torch).
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
-# Most rows of x the op takes (csrc/small_linear.h, kLinearMaxRows); more go to torch's GEMM.
+# Most rows of x (tokens) the ops take (csrc/target_runtime.h, kLinearMaxRows); more go to torch.
 MAX_ROWS = _C.linear_max_rows if _C is not None else 8
 PACK_ROWS = _C.pack_rows if _C is not None else 4
 PACK_ROW_BYTES = _C.pack_row_bytes if _C is not None else 64
@@ -69,7 +71,7 @@ if _C is not None:
 
 
 def available() -> bool:
-    """Whether the native op is built."""
+    """Whether the native ops are built."""
     return _C is not None
 
 
@@ -84,7 +86,7 @@ def pack_weight(weight: Tensor, weight_dtype: str) -> tuple[Tensor, Tensor | Non
     Row groups of PACK_ROWS rows, tile by tile, one PACK_ROW_BYTES line of each row per tile (16
     fp32, 32 bf16 or 64 int8 columns), zero padded: `[ceil(out / R), ceil(in / C), R, C]`. In bf16
     each 16-column block stores its columns in the order 0, 8, 1, 9, ..., 7, 15, so one 32-bit
-    lane holds columns i and i + 8 (csrc/small_linear.h). int8: `quant.quantize_int8`.
+    lane holds columns i and i + 8 (csrc/target_runtime.h). int8: `quant.quantize_int8`.
     """
     _check_weight_dtype(weight_dtype)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
@@ -200,7 +202,8 @@ def _sdpa_configs(model: nn.Module) -> list:
 
 
 class Runtime:
-    """A model's linears on the native op; `restore()` (or leaving a `with` block) puts torch back."""
+    """A model's linears, norms and attention on the native ops; `restore()` (or leaving a `with`
+    block) puts torch back."""
 
     def __init__(self, model: nn.Module, weight_dtype: str, threads: int, linears: dict[str, _PackedLinear],
                  norms: dict[str, _FusedNorm], attention_configs: list):
