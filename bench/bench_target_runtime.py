@@ -112,6 +112,11 @@ def main() -> None:
         contenders.append(Contender(f"rt-{dtype}", copy_, copy_, context))
     compile_seconds = {}
     if args.compile:
+        # The models share one forward code object, and each compiles for 1 token, more tokens and a
+        # cropped cache: past dynamo's default limit of 8 variants the forwards would run eager.
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 64)
         for c in list(contenders):
             # the same model (weights, runtime patches), its own KV cache
             name = "compile" if c.name == "torch" else f"{c.name}+compile"
