@@ -5,7 +5,8 @@
 // forward differed from five 1-token forwards in the last bits, and cost 3.5x the 1-token attention.
 // Here a row visits its visible keys in order, whatever the other rows: scores, max, exp-sum, then
 // the weighted sum of values, each in an order fixed by the visible keys alone. The exponentials
-// are a vectorized polynomial (~1 ulp): glibc's scalar expf was half the cost of a row.
+// are a vectorized polynomial (~1 ulp). SmolLM2 (9 heads, 3 KV heads, head_dim 64) at 300 keys:
+// ~4 us per head and query row on one Zen 3 core.
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
