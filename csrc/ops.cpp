@@ -1,5 +1,6 @@
-// torch.library registration of the fused draft decode step (CPU, and CUDA in CUDA builds) and the
-// pybind11 module `elsi_fast._C`. This is the only translation unit that includes torch headers.
+// torch.library registration of the fused draft decode step (CPU, and CUDA in CUDA builds), of the
+// target runtime's small-batch linear, decode attention and RMSNorm ops (CPU) and the pybind11 module
+// `elsi_fast._C`. This is the only translation unit that includes torch headers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #endif
 
 #include "draft_decode.h"
+#include "target_runtime.h"
 
 namespace elsi_fast {
 namespace {
@@ -22,19 +24,19 @@ constexpr const char* kMatrixNames[kNumMatrices] = {"fc",   "q_proj", "k_proj", 
                                                     "gate_proj", "up_proj", "down_proj", "lm_head"};
 
 void check_tensor(const at::Tensor& t, const std::string& name, const at::Device& device,
-                  at::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.device() == device, kOp, ": ", name, " is on ", t.device(),
+                  at::IntArrayRef shape, const char* op = kOp) {
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(),
                     " but input is on ", device);
-  TORCH_CHECK_VALUE(t.sizes() == shape, kOp, ": ", name, " must have shape ", shape, ", got ",
+  TORCH_CHECK_VALUE(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ",
                     t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), kOp, ": ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 void check_dtype(const at::Tensor& t, const std::string& name,
-                 std::initializer_list<at::ScalarType> allowed) {
+                 std::initializer_list<at::ScalarType> allowed, const char* op = kOp) {
   bool ok = false;
   for (at::ScalarType dtype : allowed) ok = ok || t.scalar_type() == dtype;
-  TORCH_CHECK_TYPE(ok, kOp, ": ", name, " must be ", c10::ArrayRef<at::ScalarType>(allowed),
+  TORCH_CHECK_TYPE(ok, op, ": ", name, " must be ", c10::ArrayRef<at::ScalarType>(allowed),
                    ", got ", t.scalar_type());
 }
 
@@ -204,6 +206,118 @@ std::tuple<at::Tensor, at::Tensor> draft_decode_step_cpu_op(
   return {ids, hidden};
 }
 
+constexpr const char* kLinearOp = "small_linear";
+
+// y [rows, out] = x [rows, in] W^T (+ bias) with W packed (target_runtime.h) and 1..8 rows; the result
+// has x's dtype (fp32 or bf16; bf16 inputs are widened, the products are fp32 either way).
+at::Tensor small_linear_cpu_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                               const std::optional<at::Tensor>& bias, int64_t out_features, int64_t in_features,
+                               int64_t num_threads) {
+  TORCH_CHECK_VALUE(out_features > 0 && in_features > 0, kLinearOp, ": out_features (", out_features,
+                    ") and in_features (", in_features, ") must be positive");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, kLinearOp,
+                   ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kLinearMaxRows && x.size(1) == in_features,
+                    kLinearOp, ": x must be [rows, ", in_features, "] with 1 <= rows <= ", kLinearMaxRows, ", got ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), kLinearOp, ": x must be on the CPU, got ", x.device());
+  const at::ScalarType wt = weight.scalar_type();
+  TORCH_CHECK_TYPE(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, kLinearOp,
+                   ": weight must be float32, bfloat16 or int8, got ", wt);
+  const int64_t tile_cols = pack_cols(weight.element_size());
+  const int64_t packed_shape[4] = {(out_features + kPackRows - 1) / kPackRows, (in_features + tile_cols - 1) / tile_cols,
+                                   kPackRows, tile_cols};
+  check_tensor(weight, "weight (packed)", x.device(), packed_shape, kLinearOp);
+  TORCH_CHECK_VALUE(scale.has_value() == (wt == at::kChar), kLinearOp,
+                    ": per-row scales go with int8 weights and only with them (weight is ", wt, ")");
+  if (scale.has_value()) {
+    check_dtype(*scale, "scale", {at::kFloat}, kLinearOp);
+    check_tensor(*scale, "scale", x.device(), {out_features}, kLinearOp);
+  }
+  if (bias.has_value()) {
+    check_dtype(*bias, "bias", {at::kFloat}, kLinearOp);
+    check_tensor(*bias, "bias", x.device(), {out_features}, kLinearOp);
+  }
+  TORCH_CHECK_VALUE(num_threads >= 0, kLinearOp, ": num_threads must be >= 0 (0: torch's), got ", num_threads);
+
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x32.options());
+  LinearWeights w{};
+  w.type = wt == at::kFloat ? WeightType::kFloat32 : wt == at::kBFloat16 ? WeightType::kBFloat16 : WeightType::kInt8;
+  w.packed = weight.data_ptr();
+  w.scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  w.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  w.out_features = out_features;
+  w.in_features = in_features;
+  small_linear_cpu(w, x32.data_ptr<float>(), x.size(0), y.data_ptr<float>(),
+                   num_threads > 0 ? static_cast<int>(num_threads) : at::get_num_threads());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+constexpr const char* kAttentionOp = "decode_attention";
+
+// Attention of q [1, heads, rows, head_dim] (head_dim contiguous; rows <= 8) over k, v [1, kv_heads,
+// keys, head_dim] (contiguous, the new tokens last), fp32; mask: bool [rows, keys] or none (then
+// `causal` decides). Returns [1, rows, heads, head_dim] fp32, the layout the attention modules of
+// transformers take from their attention functions.
+at::Tensor decode_attention_cpu_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::optional<at::Tensor>& mask, double scale, bool causal,
+                                   int64_t num_threads) {
+  check_dtype(q, "q", {at::kFloat}, kAttentionOp);
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == 1 && q.size(2) >= 1 && q.size(2) <= kLinearMaxRows &&
+                        q.size(3) > 0 && q.stride(3) == 1,
+                    kAttentionOp, ": q must be [1, heads, rows <= ", kLinearMaxRows,
+                    ", head_dim] with a contiguous last dim, got ", q.sizes(), " strides ", q.strides());
+  TORCH_CHECK_VALUE(q.device().is_cpu(), kAttentionOp, ": q must be on the CPU, got ", q.device());
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(0) == 1 && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+                        k.size(2) >= q.size(2) && k.size(3) == q.size(3),
+                    kAttentionOp, ": k must be [1, kv_heads, keys >= rows, head_dim] with kv_heads dividing ",
+                    q.size(1), " heads, got ", k.sizes());
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_dtype(*t, name, {at::kFloat}, kAttentionOp);
+    check_tensor(*t, name, q.device(), k.sizes(), kAttentionOp);
+  }
+  const int64_t rows = q.size(2), keys = k.size(2);
+  if (mask.has_value()) {
+    check_dtype(*mask, "mask", {at::kBool}, kAttentionOp);
+    check_tensor(*mask, "mask", q.device(), {rows, keys}, kAttentionOp);
+  }
+  TORCH_CHECK_VALUE(num_threads >= 0, kAttentionOp, ": num_threads must be >= 0 (0: torch's), got ", num_threads);
+  at::Tensor out = at::empty({1, rows, q.size(1), q.size(3)}, q.options());
+  DecodeAttention a{};
+  a.q = q.data_ptr<float>();
+  a.q_head_stride = q.stride(1);
+  a.q_row_stride = q.stride(2);
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.mask = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  a.causal = causal;
+  a.heads = q.size(1);
+  a.kv_heads = k.size(1);
+  a.rows = rows;
+  a.keys = keys;
+  a.head_dim = q.size(3);
+  a.scale = static_cast<float>(scale);
+  a.out = out.data_ptr<float>();
+  decode_attention_cpu(a, num_threads > 0 ? static_cast<int>(num_threads) : at::get_num_threads());
+  return out;
+}
+
+constexpr const char* kNormOp = "rms_norm";
+
+// transformers' Llama / Qwen / Mistral RMSNorm in fp32: x [..., d] contiguous, weight [d].
+at::Tensor rms_norm_cpu_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_dtype(x, "x", {at::kFloat}, kNormOp);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0 && x.is_contiguous() && x.device().is_cpu(), kNormOp,
+                    ": x must be a contiguous CPU tensor [..., d], got ", x.sizes(), " on ", x.device());
+  check_dtype(weight, "weight", {at::kFloat}, kNormOp);
+  check_tensor(weight, "weight", x.device(), {x.size(-1)}, kNormOp);
+  at::Tensor y = at::empty_like(x);
+  rms_norm_cpu(x.data_ptr<float>(), weight.data_ptr<float>(), x.numel() / x.size(-1), x.size(-1),
+               static_cast<float>(eps), y.data_ptr<float>());
+  return y;
+}
+
 #ifdef ELSI_FAST_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> draft_decode_step_cuda_op(
     const at::Tensor& input, const at::Tensor& token, const at::Tensor& position,
@@ -245,10 +359,20 @@ TORCH_LIBRARY(elsi_fast, m) {
       "Tensor inv_freq, Tensor d2t, bool from_target, int num_heads, int fc_in, int intermediate, "
       "float eps, int top_k) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "small_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int out_features, int in_features, "
+      "int num_threads) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, int num_threads) "
+      "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(elsi_fast, CPU, m) {
   m.impl("draft_decode_step", &elsi_fast::draft_decode_step_cpu_op);
+  m.impl("small_linear", &elsi_fast::small_linear_cpu_op);
+  m.impl("decode_attention", &elsi_fast::decode_attention_cpu_op);
+  m.impl("rms_norm", &elsi_fast::rms_norm_cpu_op);
 }
 
 #ifdef ELSI_FAST_WITH_CUDA
@@ -272,4 +396,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_cuda_top_k") = elsi_fast::kMaxCudaTopK;
   m.attr("pack_rows") = elsi_fast::kPackRows;
   m.attr("pack_row_bytes") = elsi_fast::kPackRowBytes;
+  m.attr("linear_max_rows") = elsi_fast::kLinearMaxRows;
 }

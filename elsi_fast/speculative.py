@@ -36,6 +36,7 @@ import torch
 
 from .capture import capture_hidden_states
 from .draft_names import DRAFT_BACKENDS
+from .target_runtime import describe_target
 
 if TYPE_CHECKING:
     from .draft import Eagle3Draft
@@ -57,7 +58,8 @@ class SpecResult:
     ``sum(accepted_lengths) + rounds == len(tokens) - 1``. `draft_calls` counts the draft calls
     that ran: ``native_steps`` (fused steps, one per draft position), ``torch_extends`` (torch
     multi-position extends) and ``torch_steps`` (torch decode steps); `draft_backend` says the same
-    in words, e.g. "native cpu (avx512, 2 threads) int8: 123 steps".
+    in words, e.g. "native cpu (avx512, 2 threads) int8: 123 steps"; `target_backend` how the
+    target's forwards ran ("torch eager" or its `target_runtime` description).
     """
 
     tokens: torch.Tensor
@@ -67,6 +69,7 @@ class SpecResult:
     target_time_s: float
     draft_backend: str
     draft_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    target_backend: str = "torch eager"
 
     @property
     def rounds(self) -> int:
@@ -91,7 +94,7 @@ class SpecResult:
             "new_tokens": int(self.tokens.numel()), "rounds": self.rounds, "tau": self.tau,
             "histogram": self.histogram, "k": self.k, "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s, "draft_backend": self.draft_backend,
-            "draft_calls": dict(self.draft_calls),
+            "draft_calls": dict(self.draft_calls), "target_backend": self.target_backend,
         }
 
 
@@ -106,8 +109,15 @@ def _crop(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+def cache_kwarg(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: transformers renamed `past_key_values` to
+    `cache` in 5.2x (the cache object is updated in place either way)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class _TargetRunner:
-    """Forward passes of the target with its KV cache and the aux hidden states captured."""
+    """Forward passes of the target with its KV cache and the aux hidden states captured (none
+    when `aux_layer_ids` is empty: greedy decoding)."""
 
     def __init__(self, target, aux_layer_ids: list[int]):
         from transformers import DynamicCache
@@ -115,10 +125,7 @@ class _TargetRunner:
         self.target = target
         self.layers = list(aux_layer_ids)
         self.cache = DynamicCache(config=target.config)
-        # transformers renamed `past_key_values` to `cache` in 5.2x; the cache object is updated
-        # in place either way.
-        params = inspect.signature(target.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(target)
         self.seconds = 0.0
         from .threads import FreeCores
 
@@ -126,17 +133,21 @@ class _TargetRunner:
         self.team = FreeCores(limit=torch.get_num_threads())
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [1, T] -> (greedy next ids [1, T], aux hidden [1, T, m*d_target])."""
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, T] -> (greedy next ids [1, T], aux hidden [1, T, m*d_target] or None)."""
         start = time.perf_counter()
         team, previous = self.team(), torch.get_num_threads()
         torch.set_num_threads(team)
         try:
-            with capture_hidden_states(self.target, layers=self.layers) as cap:
+            if self.layers:
+                with capture_hidden_states(self.target, layers=self.layers) as cap:
+                    out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+                aux = torch.cat([cap.states[layer] for layer in self.layers], dim=-1)
+            else:
                 out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+                aux = None
         finally:
             torch.set_num_threads(previous)
-        aux = torch.cat([cap.states[layer] for layer in self.layers], dim=-1)
         greedy = out.logits.argmax(dim=-1)
         self.seconds += time.perf_counter() - start
         return greedy, aux
@@ -144,6 +155,9 @@ class _TargetRunner:
     def crop(self, length: int) -> None:
         """Keep the first `length` positions of the KV cache (the verified ones)."""
         _crop(self.cache, length)
+
+    def describe(self) -> str:
+        return describe_target(self.target)
 
 
 class ReplayTarget:
@@ -178,6 +192,9 @@ class ReplayTarget:
 
     def crop(self, length: int) -> None:
         self.position = min(self.position, length)
+
+    def describe(self) -> str:
+        return "replayed greedy continuation"
 
 
 # ------------------------------------------------------------------------------------ draft paths
@@ -427,5 +444,23 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     return SpecResult(
         tokens=torch.tensor(emitted, dtype=torch.long), accepted_lengths=accepted_lengths, k=k,
         draft_time_s=draft_seconds, target_time_s=runner.seconds, draft_backend=path.describe(),
-        draft_calls=path.calls(),
+        draft_calls=path.calls(), target_backend=runner.describe(),
     )
+
+
+@torch.no_grad()
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *,
+                    eos_token_id: int | None = None) -> torch.Tensor:
+    """The target's greedy decoding, batch 1, on the forward path `speculative_generate` verifies
+    with (the same KV cache and forwards; on the target runtime when the target is on it): one
+    prefill of the prompt, then one 1-token forward per new token. input_ids: [T] or [1, T].
+    Returns the new ids [n_new] (exactly `max_new_tokens`, or up to `eos_token_id` included), which
+    `speculative_generate` on the same target reproduces."""
+    input_ids = _check_inputs(input_ids, max_new_tokens, 1)
+    runner = _TargetRunner(target, [])
+    greedy, _ = runner.forward(input_ids)
+    emitted = [int(greedy[0, -1])]
+    while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
+        greedy, _ = runner.forward(torch.tensor([[emitted[-1]]], dtype=torch.long, device=input_ids.device))
+        emitted.append(int(greedy[0, -1]))
+    return torch.tensor(emitted, dtype=torch.long)

@@ -53,6 +53,16 @@ def test_train_then_eval(setup, capsys):
     assert printed.splitlines()[-1].split()[0] == "all"  # the pooled row comes last
     assert rows["qa"] == ["2", f"{taus['qa']:.3f}"]  # --max-prompts caps each category
     assert rows["all"] == ["3", f"{taus['all']:.3f}"]
+    assert printed.splitlines()[0].endswith("target: torch eager")
+
+    from elsi_fast import target_runtime
+
+    if target_runtime.available():
+        assert main(["eval-draft", "--target", str(target), "--draft", str(out), "--prompts", str(prompts),
+                     "--k", "2", "--max-new-tokens", "6", "--max-prompts", "1", "--target-runtime", "bf16",
+                     "--device", "cpu", "--json", str(result), "--no-progress"]) == 0
+        assert "target: elsi-fast runtime (" in capsys.readouterr().out
+        assert "bf16 weights" in json.loads(result.read_text())["target_backend"]
 
 
 def test_layers_from_report(setup):
@@ -70,6 +80,9 @@ def test_layers_from_report(setup):
 
 def test_errors_exit_2_with_message(setup, capsys):
     root, corpus, target, prompts = setup
+    assert main(["eval-draft", "--target", str(target), "--draft", str(root), "--prompts", str(prompts),
+                 "--target-runtime", "fp32", "--device", "cuda"]) == 2
+    assert "--target-runtime" in capsys.readouterr().err
     assert main(["train-draft", "--target", str(target), "--report", str(root / "nope.json"),
                  "--data", str(corpus), "--out", str(root / "x"), *TRAIN]) == 2
     assert "--report" in capsys.readouterr().err

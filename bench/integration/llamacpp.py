@@ -200,7 +200,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ("The history of the Roman Empire begins with", "def fibonacci(n):")
 RESULTS_FILE = "llamacpp_integration_cpu"
 # (label, input-to-layer ids): an ELSI-style m=1 draft (SmolLM2's entropy plateau tops at h_18,
-# DESIGN.md section 7) and the EAGLE3 default [2, N//2, N-3].
+# docs/real-models.md) and the EAGLE3 default [2, N//2, N-3].
 DRAFTS = (("m=1", (18,)), ("m=3 EAGLE3 default", (2, 15, 27)))
 
 

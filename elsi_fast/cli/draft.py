@@ -86,6 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
     evaluate.add_argument("--draft-backend", choices=DRAFT_BACKENDS, default="auto",
                           help="draft decode path (default auto: native when it can run)")
+    evaluate.add_argument("--target-runtime", choices=DRAFT_WEIGHT_DTYPES, default=None,
+                          help="run the target's decode and verify forwards on elsi-fast's CPU runtime with "
+                          "these weights (elsi_fast.target_runtime; faster verify forwards, the same tau for "
+                          "the runtime's own greedy decoding; default: torch)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)
@@ -207,6 +211,8 @@ def train_handler(args: argparse.Namespace) -> int:
 def eval_check(args: argparse.Namespace) -> None:
     check_model(args.target, "--target")
     check_device(args.device)
+    if args.target_runtime is not None and args.device not in (None, "cpu"):
+        raise UsageError(f"--target-runtime: the target runtime is CPU only, not --device {args.device}")
     if not os.path.isfile(os.path.join(args.draft, "config.json")):
         what = "has no config.json" if os.path.isdir(args.draft) else "no such folder"
         raise UsageError(f"--draft: {what}: {args.draft}; give the --out folder of `elsi-fast train-draft`")
@@ -236,7 +242,14 @@ def eval_handler(args: argparse.Namespace) -> int:
     from ..evaluation import pooled_tau, speculative_runs
     from ..prompts import prompts_by_category
 
+    from ..target_runtime import accelerate, describe_target
+
     model, tokenizer = load_target(args)
+    if args.target_runtime is not None:
+        try:
+            accelerate(model, args.target_runtime)
+        except ValueError as exc:
+            raise UsageError(f"--target-runtime: {exc}") from None
     draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
                                         device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
@@ -248,7 +261,8 @@ def eval_handler(args: argparse.Namespace) -> int:
     results = [result for per_prompt in runs.values() for result in per_prompt]
     draft_calls = {key: sum(r.draft_calls.get(key, 0) for r in results) for key in results[0].draft_calls}
     backend = results[0].draft_backend.split(":")[0]
-    print(f"draft layers {list(draft.config.aux_layer_ids)}, k={args.k}, {args.max_new_tokens} new tokens per prompt")
+    print(f"draft layers {list(draft.config.aux_layer_ids)}, k={args.k}, {args.max_new_tokens} new tokens per prompt; "
+          f"target: {describe_target(model)}")
     print(f"draft backend: {backend}; calls over all prompts: "
           + ", ".join(f"{key} {count}" for key, count in draft_calls.items()))
     print(f"{'category':<24} {'prompts':>7} {'tau':>6}")
@@ -259,7 +273,7 @@ def eval_handler(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
                        "max_new_tokens": args.max_new_tokens, "tau": taus, "draft_backend": backend,
-                       "draft_calls": draft_calls}, f, indent=1)
+                       "draft_calls": draft_calls, "target_backend": describe_target(model)}, f, indent=1)
     if progress_file is not None:
         os.remove(progress_file)
     return 0
