@@ -25,9 +25,6 @@
 namespace elsi_fast {
 namespace {
 
-#define ELSI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define ELSI_AVX2 __attribute__((target("avx2,fma")))
-
 // The three passes of one query row over its n visible keys (their indices in idx, ascending):
 //   dots:     s[i] = scale * dot(q, key idx[i]), each in one fixed order;
 //   exp_sum:  s[i] = exp(s[i] - top) for i < n, returns their sum in a fixed order (s holds
@@ -66,7 +63,7 @@ void weighted_scalar(const float* s, const float* values, const int64_t* idx, in
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA
-ELSI_AVX2 inline float hsum8(__m256 v) {
+ELSI_RT_AVX2 inline float hsum8(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
@@ -74,7 +71,7 @@ ELSI_AVX2 inline float hsum8(__m256 v) {
 
 // exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); below -87.3 it returns ~1e-38,
 // not 0, which next to the row maximum's exp(0) = 1 is nothing.
-ELSI_AVX2 inline __m256 exp8(__m256 x) {
+ELSI_RT_AVX2 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365448f));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -92,14 +89,14 @@ ELSI_AVX2 inline __m256 exp8(__m256 x) {
 
 // One key's dot as every key gets it: two accumulators over alternate 8-column chunks (half the FMA
 // latency chain), their sum reduced, then the columns past the last 16 one by one.
-ELSI_AVX2 inline float finish_dot8(__m256 acc0, __m256 acc1, const float* q, const float* key, int64_t c, int64_t hd) {
+ELSI_RT_AVX2 inline float finish_dot8(__m256 acc0, __m256 acc1, const float* q, const float* key, int64_t c, int64_t hd) {
   float dot = hsum8(_mm256_add_ps(acc0, acc1));
   for (; c < hd; ++c) dot += q[c] * key[c];
   return dot;
 }
 
 // Four keys at a time share each load of q; the rest one by one, with the same arithmetic per key.
-ELSI_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+ELSI_RT_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                          float* s) {
   const int64_t body = hd / 16 * 16;
   int64_t i = 0;
@@ -133,7 +130,7 @@ ELSI_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, 
   }
 }
 
-ELSI_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
+ELSI_RT_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
   const __m256 shift = _mm256_set1_ps(top), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
@@ -146,7 +143,7 @@ ELSI_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
 }
 
 // Columns in blocks of up to 64 (8 accumulators in registers across all keys), then 8, then 1.
-ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
+ELSI_RT_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
                              float* out) {
   int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64) {
@@ -176,7 +173,7 @@ ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t*
 }
 
 // ---------------------------------------------------------------- AVX-512
-ELSI_AVX512 inline __m512 exp16(__m512 x) {
+ELSI_RT_AVX512 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365448f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -193,7 +190,7 @@ ELSI_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
 }
 
-ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+ELSI_RT_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                              float* s) {
   for (int64_t i = 0; i < n; ++i) {
     const float* key = keys + (idx ? idx[i] : i) * hd;
@@ -213,7 +210,7 @@ ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* i
   }
 }
 
-ELSI_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
+ELSI_RT_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
   const __m512 shift = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -225,7 +222,7 @@ ELSI_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
   return _mm512_reduce_add_ps(sum);
 }
 
-ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
+ELSI_RT_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
                                  float inv, float* out) {
   int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64) {

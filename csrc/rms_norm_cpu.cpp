@@ -13,8 +13,6 @@
 namespace elsi_fast {
 namespace {
 
-#define ELSI_AVX2 __attribute__((target("avx2,fma")))
-
 float sum_squares_scalar(const float* x, int64_t d) {
   float s = 0.f;
   for (int64_t i = 0; i < d; ++i) s += x[i] * x[i];
@@ -25,7 +23,7 @@ void scale_scalar(const float* x, const float* weight, float inv, int64_t d, flo
   for (int64_t i = 0; i < d; ++i) y[i] = weight[i] * (x[i] * inv);
 }
 
-ELSI_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
+ELSI_RT_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
@@ -42,7 +40,7 @@ ELSI_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
 }
 
 // Two roundings, as torch's two multiplications: no FMA here.
-ELSI_AVX2 void scale_avx2(const float* x, const float* weight, float inv, int64_t d, float* y) {
+ELSI_RT_AVX2 void scale_avx2(const float* x, const float* weight, float inv, int64_t d, float* y) {
   const __m256 iv = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= d; i += 8)

@@ -10,6 +10,11 @@
 
 #include "draft_decode.h"
 
+// Function attributes of the runtime's instruction-set paths (picked at run time by cpu_isa(); the
+// draft step's AVX-512 path also needs VNNI and BF16, the runtime's does not).
+#define ELSI_RT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define ELSI_RT_AVX2 __attribute__((target("avx2,fma")))
+
 namespace elsi_fast {
 
 // More rows (tokens) than this and the caller keeps torch (prefill).

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from .capture import capture_hidden_states
-from .draft_names import DRAFT_BACKENDS
+from .native_names import DRAFT_BACKENDS
 from .target_runtime import describe_target
 
 if TYPE_CHECKING:

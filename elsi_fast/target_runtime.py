@@ -33,18 +33,10 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from ._extension import _C, IMPORT_ERROR, TORCH_WEIGHT_DTYPES
 from .draft.quant import quantize_int8
+from .native_names import NATIVE_WEIGHT_DTYPES as WEIGHT_DTYPES
 
-try:
-    from elsi_fast import _C
-except ImportError as exc:  # built with ELSI_FAST_SKIP_NATIVE=1, or not built at all
-    _C = None
-    _IMPORT_ERROR = str(exc)
-else:
-    _IMPORT_ERROR = ""
-
-WEIGHT_DTYPES = ("fp32", "bf16", "int8")
-_TORCH_WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 # Activation dtypes the op takes (a model in another dtype keeps torch).
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 # Most rows of x (tokens) the ops take (csrc/target_runtime.h, kLinearMaxRows); more go to torch.
@@ -95,7 +87,7 @@ def pack_weight(weight: Tensor, weight_dtype: str) -> tuple[Tensor, Tensor | Non
     if weight_dtype == "int8":
         w, scale = quantize_int8(weight)
     else:
-        w = weight.detach().to(_TORCH_WEIGHT_DTYPES[weight_dtype])
+        w = weight.detach().to(TORCH_WEIGHT_DTYPES[weight_dtype])
     rows, cols = w.shape
     tile = PACK_ROW_BYTES // w.element_size()
     w = nn.functional.pad(w, (0, -cols % tile, 0, -rows % PACK_ROWS))
@@ -111,7 +103,7 @@ def small_linear(x: Tensor, packed: Tensor, scale: Tensor | None, bias: Tensor |
     """`x [rows, in] @ W^T (+ bias)` with W from `pack_weight`, 1 <= rows <= MAX_ROWS, x fp32 or bf16
     (the result has x's dtype). num_threads: 0 for torch's thread count."""
     if _C is None:
-        raise RuntimeError(f"the native extension is not built: {_IMPORT_ERROR}")
+        raise RuntimeError(f"the native extension is not built: {IMPORT_ERROR}")
     return torch.ops.elsi_fast.small_linear.default(x, packed, scale, bias, out_features, x.shape[-1], num_threads)
 
 
@@ -274,7 +266,7 @@ def accelerate(model: nn.Module, weight_dtype: str = "fp32", *, threads: int | N
     """
     _check_weight_dtype(weight_dtype)
     if _C is None:
-        raise RuntimeError(f"accelerate: the native extension is not built: {_IMPORT_ERROR}")
+        raise RuntimeError(f"accelerate: the native extension is not built: {IMPORT_ERROR}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads: expected a positive int or None, got {threads!r}")
     if not isinstance(model, nn.Module):

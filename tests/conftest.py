@@ -20,6 +20,8 @@ import torch  # noqa: E402
 
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 SHARED_DATA = os.path.join(SHARED, "data")
+# The native ops' instruction-set paths; the `cpu_isa` fixture runs a test on each this CPU has.
+CPU_ISAS = ("avx512", "avx2", "scalar")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,3 +63,15 @@ def gemma3():
     from elsi_fast.loading import load_model
 
     return load_model("gemma3-270m", device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """Selects each instruction-set path of the native ops in turn (skipped where the CPU lacks it)."""
+    from elsi_fast import _C
+
+    previous = _C.cpu_isa()
+    if not _C.set_cpu_isa(request.param):
+        pytest.skip(f"this CPU lacks {request.param}")
+    yield request.param
+    assert _C.set_cpu_isa(previous)

@@ -18,29 +18,17 @@ from elsi_fast.speculative import cache_kwarg, greedy_generate, speculative_gene
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason="native extension not built")
 
-CPU_ISAS = ("avx512", "avx2", "scalar")
 WEIGHT_DTYPES = ("fp32", "bf16", "int8")
 # (out, in): widths that are no multiple of any tile (16 fp32, 32 bf16, 64 int8 columns) or of the
 # 4-row groups, one wider than a segment (16 tiles), and one output row.
 SHAPES = [(37, 53), (5, 1000), (130, 70), (1, 17)]
 
 
-@pytest.fixture(params=CPU_ISAS)
-def cpu_isa(request):
-    from elsi_fast import _C
-
-    previous = _C.cpu_isa()
-    if not _C.set_cpu_isa(request.param):
-        pytest.skip(f"this CPU lacks {request.param}")
-    yield request.param
-    assert _C.set_cpu_isa(previous)
-
-
 def reference_weight(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
     """The matrix the op multiplies by, in float64: the weight rounded to the packed precision."""
     if weight_dtype == "int8":
         return dequantize_int8(*quantize_int8(weight), dtype=torch.float64)
-    return weight.to(rt._TORCH_WEIGHT_DTYPES[weight_dtype]).double()
+    return weight.to(rt.TORCH_WEIGHT_DTYPES[weight_dtype]).double()
 
 
 # ----------------------------------------------------------------------------- small_linear

@@ -7,7 +7,7 @@ import json
 import math
 import os
 
-from ..draft_names import DRAFT_BACKENDS, DRAFT_WEIGHT_DTYPES
+from ..native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES
 from . import UsageError, one_line, positive_int
 from ..loading import DTYPES
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
@@ -81,12 +81,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-prompts", type=positive_int, default=None, help="prompts per category (default: all)")
     evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=256,
                           help="truncate prompts to this many tokens (default 256)")
-    evaluate.add_argument("--draft-dtype", choices=DRAFT_WEIGHT_DTYPES, default=None,
+    evaluate.add_argument("--draft-dtype", choices=NATIVE_WEIGHT_DTYPES, default=None,
                           help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
     evaluate.add_argument("--draft-backend", choices=DRAFT_BACKENDS, default="auto",
                           help="draft decode path (default auto: native when it can run)")
-    evaluate.add_argument("--target-runtime", choices=DRAFT_WEIGHT_DTYPES, default=None,
+    evaluate.add_argument("--target-runtime", choices=NATIVE_WEIGHT_DTYPES, default=None,
                           help="run the target's decode and verify forwards on elsi-fast's CPU runtime with "
                           "these weights (elsi_fast.target_runtime; faster verify forwards, the same tau for "
                           "the runtime's own greedy decoding; default: torch)")

@@ -27,21 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..draft_names import DRAFT_WEIGHT_DTYPES
+from .._extension import _C, IMPORT_ERROR
+from .._extension import TORCH_WEIGHT_DTYPES as WEIGHT_DTYPES
+from ..native_names import NATIVE_WEIGHT_DTYPES
 from .quant import QUANTIZED_LINEARS, quantize_int8
 
 if TYPE_CHECKING:
     from .model import Eagle3Draft
 
-try:
-    from elsi_fast import _C
-except ImportError as exc:  # built with ELSI_FAST_SKIP_NATIVE=1, or not built at all
-    _C = None
-    _IMPORT_ERROR = str(exc)
-else:
-    _IMPORT_ERROR = ""
-
-WEIGHT_DTYPES = dict(zip(DRAFT_WEIGHT_DTYPES, (torch.float32, torch.bfloat16, torch.int8)))
 # Module dtypes that run natively as they are when no weight dtype is asked for.
 _OWN_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # ELSI_FAST_DISABLE_NATIVE=1 forces the torch path at run time (build switches are in setup.py).
@@ -90,7 +83,7 @@ def describe(device: torch.device | str) -> str:
     """The decode path used on `device`, e.g. "native cpu (avx512, 2 threads)"."""
     device = torch.device(device)
     if _C is None:
-        return f"torch eager (no native extension built: {_IMPORT_ERROR})"
+        return f"torch eager (no native extension built: {IMPORT_ERROR})"
     if device.type == "cpu":
         return f"native cpu ({_C.cpu_isa()}, {torch.get_num_threads()} threads)"
     if available(device):
@@ -106,7 +99,7 @@ def _draft_device(draft) -> torch.device:
 
 def _check_weight_dtype(value: str, argument: str) -> None:
     if value not in WEIGHT_DTYPES:
-        raise ValueError(f"{argument}: expected one of {', '.join(DRAFT_WEIGHT_DTYPES)}, got {value!r}")
+        raise ValueError(f"{argument}: expected one of {', '.join(NATIVE_WEIGHT_DTYPES)}, got {value!r}")
 
 
 def unavailable_reason(draft: "Eagle3Draft", weight_dtype: str) -> str | None:

@@ -23,7 +23,6 @@ requires_native = pytest.mark.skipif(
            "`ELSI_FAST_SKIP_CUDA=1 python setup.py build_ext --inplace`",
 )
 
-CPU_ISAS = ("avx512", "avx2", "scalar")
 
 
 # ----------------------------------------------------------------------------- float64 reference
@@ -168,17 +167,6 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def run_decoder(decoder: native.NativeDraftDecoder, steps, top_k: int):
     return [decoder.step(x, token, from_target, top_k) for x, token, from_target in steps]
-
-
-@pytest.fixture(params=CPU_ISAS)
-def cpu_isa(request):
-    from elsi_fast import _C
-
-    previous = _C.cpu_isa()
-    if not _C.set_cpu_isa(request.param):
-        pytest.skip(f"this CPU lacks {request.param}")
-    yield request.param
-    assert _C.set_cpu_isa(previous)
 
 
 # ----------------------------------------------------------------------------- accuracy
