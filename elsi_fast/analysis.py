@@ -159,7 +159,7 @@ def analyze(
     head = plain_lm_head(model)
     remaining = shard[state.position :]
     bar = _progress_bar(sum(len(token_ids[i]) for i in remaining), progress and rank == 0)
-    started = time.perf_counter()
+    started, resumed_seconds = time.perf_counter(), state.seconds
     batches_since_save = 0
     # Ctrl-C mid-batch would leave the accumulators half-updated: it waits for the batch's end,
     # where the state is saved.
@@ -172,12 +172,13 @@ def analyze(
             state.position += len(batch)
             bar.update(sum(len(token_ids[i]) for i in batch))
             batches_since_save += 1
+            state.seconds = resumed_seconds + time.perf_counter() - started
             if state_path is not None and (batches_since_save >= options.save_every or interrupt.requested):
                 save_state(state.state_dict(fingerprint), state_path)
                 batches_since_save = 0
             interrupt.raise_if_requested()
     bar.close()
-    elapsed = time.perf_counter() - started
+    elapsed = state.seconds
     if state_path is not None and batches_since_save:
         save_state(state.state_dict(fingerprint), state_path)
 

@@ -44,6 +44,7 @@ class PassState:
         self.position = 0  # prompts of this rank's shard already consumed
         self.tokens = {"total": 0, "candidates": 0, "kept": 0}
         self.prompts_without_hsic = 0
+        self.seconds = 0.0  # forward time of the pass so far, over every run that resumed it
 
     def state_dict(self, fingerprint: str) -> dict:
         return {
@@ -52,6 +53,7 @@ class PassState:
             "position": self.position,
             "tokens": dict(self.tokens),
             "prompts_without_hsic": self.prompts_without_hsic,
+            "seconds": self.seconds,
             "covariance": self.covariance.state_dict(),
             "hsic": self.hsic.state_dict(),
             "prompts": self.prompts.state_dict(),
@@ -69,6 +71,7 @@ class PassState:
         self.position = state["position"]
         self.tokens = dict(state["tokens"])
         self.prompts_without_hsic = state["prompts_without_hsic"]
+        self.seconds = float(state.get("seconds", 0.0))  # states saved before it was kept: this run's time only
         self.covariance.load_state_dict(state["covariance"])
         self.hsic.load_state_dict(state["hsic"])
         self.prompts.load_state_dict(state["prompts"])
