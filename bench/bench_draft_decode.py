@@ -62,6 +62,8 @@ SHAPES = {
                      head_dim=128, vocab_size=151936, draft_vocab_size=32000, target_hidden_size=2560),
     "small-d256": dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, vocab_size=32000, draft_vocab_size=32000, target_hidden_size=256),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, vocab_size=49152, draft_vocab_size=8192, target_hidden_size=576),
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096),
 }
