@@ -5,7 +5,8 @@
 overhead:  analyze()'s pass time / bare forward time (the model's own forward, logits included) of
            the same batches (same tokens, batch size and length-sorted order), for SmolLM2-135M-
            Instruct on Spec-Bench (the real target; a random model of its config when its package
-           is not installed, e.g. on the GPU machine), stories260K and a random Llama of hidden 512;
+           is not installed, e.g. on the GPU machine), Gemma 3 270M, stories260K and a random Llama
+           of hidden 512;
            interleaved forward / pass / forward / pass (target: <= 1.15x).
 memory:    peak memory of a run vs the number of prompts, each run in a fresh process (CPU: peak
            RSS over the RSS after loading, Linux only; CUDA: torch.cuda.max_memory_allocated), with the
@@ -70,6 +71,14 @@ def smollm2(device: str, dtype: torch.dtype):
         return model, load_llama2c_tokenizer(STORIES), "random model of SmolLM2-135M's config"
 
 
+def gemma3(device: str, dtype: torch.dtype):
+    """Gemma 3 270M from its packages (18 blocks, sliding-window layers, vocabulary 262144)."""
+    from elsi_fast.loading import load_model
+
+    model, tokenizer = load_model("gemma3-270m", device=device, dtype=str(dtype).removeprefix("torch."))
+    return model, tokenizer, "Gemma-3-270M"
+
+
 def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, device: str, reps: int = 3) -> float:
     """The model's own forward (logits included) over the batches the pass forms: longest prompts
     first, `batch_size` at a time, right-padded."""
@@ -97,6 +106,7 @@ def part_overhead(device: str, num_prompts: int, out: str, models: list[str], re
     prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     builders = {"smollm2": lambda: smollm2(device, dtype),
+                "gemma3": lambda: gemma3(device, dtype),
                 "stories260K": lambda: (*stories(device), "stories260K"),
                 "llama-d512-random": lambda: (*random_llama(device, dtype), "llama-d512-random")}
     for key in models:
@@ -188,7 +198,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--part", nargs="+", default=["overhead", "memory", "threshold"])
     parser.add_argument("--prompts", type=int, default=480, help="Spec-Bench prompts of the overhead part (default all)")
-    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "stories260K", "llama-d512-random"])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "gemma3", "stories260K", "llama-d512-random"])
     parser.add_argument("--reps", type=int, default=2, help="interleaved forward / pass repetitions (medians)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--memory-counts", type=int, nargs="+", default=[16, 64, 256])
