@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -63,6 +64,29 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
+
+
+GNU_TIME = "/usr/bin/time"
+
+
+def run_peak_rss(cmd: list[str], *, capture: bool = False, **kwargs: Any) -> tuple[subprocess.CompletedProcess, int | None]:
+    """`subprocess.run(cmd)` under GNU time: (the finished process, its peak resident set size in bytes,
+    None when GNU time wrote no report).
+
+    GNU time's %M, not this process's wait4 or getrusage(RUSAGE_CHILDREN): a child of this process
+    keeps at exec the high-water mark of the address space it was forked with (Linux takes the larger
+    of the old and the new one), so a parent holding a model would set the floor of every reading.
+    With `capture`, stdout and stderr come back as text.
+    """
+    if not os.access(GNU_TIME, os.X_OK):
+        raise FileNotFoundError(f"{GNU_TIME} (GNU time) is missing: apt-get install time")
+    with tempfile.NamedTemporaryFile("r") as report:
+        done = subprocess.run([GNU_TIME, "-f", "%M", "-o", report.name, *cmd], capture_output=capture, text=True,
+                              **kwargs)
+        # the last word: a failed command's report starts with "Command exited with non-zero status N"
+        words = report.read().split()
+    done.args = cmd
+    return done, int(words[-1]) * 1024 if words and words[-1].isdigit() else None
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, device: str | torch.device = "cpu") -> float:

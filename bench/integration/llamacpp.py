@@ -345,24 +345,36 @@ _METRICS = {  # llama-speculative-simple's summary lines (examples/speculative-s
 }
 
 
+_BUFFERS = {  # llama.cpp's allocation report: one line per model and context, the target's first, then the draft's
+    "model_buffer_mib": r"model buffer size =\s+([\d.]+) MiB",
+    "kv_buffer_mib": r"KV buffer size =\s+([\d.]+) MiB",
+    "compute_buffer_mib": r"compute buffer size =\s+([\d.]+) MiB",
+}
+
+
 def parse_speculative(log: str) -> dict:
     out = {}
     for key, pattern in _METRICS.items():
         found = re.search(pattern, log)
         out[key] = float(found.group(1)) if found and found.group(1) not in ("nan", "-nan") else None
+    for key, pattern in _BUFFERS.items():
+        out[key] = [float(size) for size in re.findall(pattern, log)]
     return out
 
 
 def speculative_simple(target: Path, prompt: str, spec_args: list[str], n_predict: int, threads: int) -> tuple[list[str], dict]:
-    """Run llama-speculative-simple greedily; (command line, parsed summary). Raises with the log's last line."""
+    """Run llama-speculative-simple greedily; (command line, parsed summary with the process's
+    `peak_rss_bytes`). Raises with the log's last line."""
+    from bench.common import run_peak_rss
+
     cmd = [str(binary("llama-speculative-simple")), "-m", str(target), *spec_args, "-p", prompt, "-n", str(n_predict),
            "-t", str(threads), "--temp", "0", "-c", "1024", "--ignore-eos", "-lv", "4"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done, peak_rss = run_peak_rss(cmd, capture=True)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"llama-speculative-simple failed (exit {done.returncode}): "
                            f"{(log.strip().splitlines() or ['no output'])[-1]}")
-    return cmd, parse_speculative(log)
+    return cmd, {**parse_speculative(log), "peak_rss_bytes": peak_rss}
 
 
 def plain_decode_speed(target: Path, n_predict: int, threads: int, depth: int = 0) -> tuple[list[str], float]:
@@ -448,6 +460,20 @@ def _pooled(runs: list[dict]) -> float | None:
     return tokens / rounds if rounds else None
 
 
+GGUF_DTYPES = ("f16", "bf16", "f32")
+
+
+def export_draft(draft, name: str, dtype: str, target: Path, work: Path) -> Path:
+    """`draft` (an `Eagle3Draft`) as `work/<name>-<dtype>.gguf` for llama.cpp serving `target`. f16 is
+    the file llama.cpp users run: an f32 draft reads as many bytes per step as a Q4 target."""
+    import torch
+
+    gguf = work / f"{name}-{dtype}.gguf"
+    served = copy.deepcopy(draft).to({"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype])
+    served.save_pretrained(gguf, format="gguf", target=target)
+    return gguf
+
+
 def measure(args: argparse.Namespace) -> None:
     """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file, k = 1..5: mean acceptance
     length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
@@ -489,12 +515,7 @@ def measure(args: argparse.Namespace) -> None:
         print(f"{name}: {speed:.1f} tokens/s ({speed / plain:.2f}x)", flush=True)
     for draft_dir in args.drafts:
         draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
-        gguf = work / f"{Path(draft_dir).name}-{args.draft_dtype}.gguf"
-        # the half-precision file llama.cpp users run (an f32 draft reads as many bytes per step as a Q4 target)
-        import torch
-
-        served = copy.deepcopy(draft).to({"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.draft_dtype])
-        served.save_pretrained(gguf, format="gguf", target=target)
+        gguf = export_draft(draft, Path(draft_dir).name, args.draft_dtype, target, work)
         for k in range(1, 6):
             runs = [speculative_simple(target, p, ["-md", str(gguf), "--spec-type", "draft-eagle3",
                                                    "--spec-draft-n-max", str(k)], args.n_predict, args.threads)[1]
@@ -530,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", default=str(ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"),
                    help="`measure`: the draft experiment's folder (its evaluation continuations and their cache)")
     p.add_argument("--per-category", type=int, default=8, help="`measure`: Spec-Bench prompts per category")
-    p.add_argument("--draft-dtype", choices=("f16", "bf16", "f32"), default="f16", help="`measure`: the draft GGUF's weights")
+    p.add_argument("--draft-dtype", choices=GGUF_DTYPES, default="f16", help="`measure`: the draft GGUF's weights")
     p.add_argument("--sdist", type=Path, default=None,
                    help=f"a local {SDIST_NAME} to copy into the cache instead of downloading it")
     p.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs of `build`")

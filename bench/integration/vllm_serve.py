@@ -18,6 +18,8 @@ The path a user takes, end to end, on the natural-language target that bench/e2e
 
 `all` runs the three in order. Not part of the pytest suite: it installs vLLM and trains drafts
 (about 6 minutes on 2 cores once the target and the environment exist). See README.md beside this file.
+
+The real target (SmolLM2 with trained drafts, k = 1..5): vllm_real.py beside this file.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ DRAFTS = (("ELSI m=1", "elsi", 1), ("EAGLE3 default m=3", "eagle3", 3))
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=["all", "env", "prepare", "measure", "serve"],
-                   help="`serve` is the vLLM-side worker that `measure` starts in the vLLM environment")
+                   help="`serve` is the vLLM-side worker that `measure` (and vllm_real.py) start in the vLLM environment")
     p.add_argument("--out", default=str(HERE / "out"), help="working folder (analysis, drafts, per-draft results)")
     p.add_argument("--venv", default=str(HERE / ".venv-vllm"), help="the vLLM environment")
     p.add_argument("--steps", type=int, default=160, help="draft training steps (bench/e2e budget)")
@@ -73,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt + new tokens stay within the target's 128-token training context")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (vLLM num_speculative_tokens)")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process (shared CPU: 1)")
-    p.add_argument("--job", help="`serve` only: job JSON written by `measure`")
+    p.add_argument("--job", help="`serve` only: job JSON written by `measure` or vllm_real.py")
     return p.parse_args(argv)
 
 
@@ -267,6 +269,9 @@ def serve(job_path: str) -> None:
     llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"], seed=0,
               enforce_eager=True, max_num_seqs=job.get("max_num_seqs", 1), disable_log_stats=False, **speculative)
     init_seconds = time.perf_counter() - start
+    memory = {"hwm_after_init_bytes": _vm_bytes("VmHWM")}
+    if job.get("draft"):
+        memory["draft_tensor_bytes"] = llm.collective_rpc(_draft_tensor_bytes)[0]
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=job.get("ignore_eos", True),
                             stop_token_ids=job.get("stop_token_ids"))
     start = time.perf_counter()
@@ -287,16 +292,52 @@ def serve(job_path: str) -> None:
 
     Path(job["result"]).write_text(json.dumps({
         "vllm_version": vllm.__version__, "init_seconds": init_seconds, "generate_seconds": generate_seconds,
-        "counters": counters, "requests": results,
+        "counters": counters, "requests": results, **memory,
     }))
 
 
+def _vm_bytes(field: str) -> int:
+    """A size line of /proc/self/status (VmHWM: peak resident set so far, VmRSS: now) in bytes."""
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _draft_tensor_bytes(worker) -> int:
+    """Bytes of the draft's weights in a vLLM worker beyond the target's (vLLM hands an EAGLE3 draft the
+    target's embedding, and its lm_head when the draft has none).
+
+    On the CPU vLLM moves each linear layer's weight into a packed GEMM handle and leaves an empty
+    parameter (`dispatch_cpu_unquantized_gemm`, model_executor/layers/utils.py): such a layer counts
+    at its logical input x output size. The lm_head keeps its parameter next to its packed copy,
+    which is not counted; the process's peak RSS has both.
+    """
+    runner = worker.model_runner
+    target = {t.data_ptr() for t in [*runner.get_model().parameters(), *runner.get_model().buffers()]}
+    own, packed = {}, 0
+    for module in runner.drafter.model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if t.numel() and t.data_ptr() not in target:
+                own[t.data_ptr()] = t.numel() * t.element_size()
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() == 0:
+            packed += module.input_size * module.output_size * weight.element_size()
+    return sum(own.values()) + packed
+
+
 def _vllm_serve(python: Path, job: dict, threads: int) -> dict:
+    """`serve` on `job` in a subprocess of the vLLM environment: its result, plus the subprocess's
+    peak resident set size (`peak_rss_bytes`; the engine runs in that process, see VLLM_CPU_ENV)."""
+    from bench.common import run_peak_rss
+
     job_path = Path(job["result"]).with_suffix(".job.json")
     job_path.write_text(json.dumps(job))
     env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": str(threads)}
-    _run([str(python), str(Path(__file__).resolve()), "serve", "--job", str(job_path)], env=env)
-    return json.loads(Path(job["result"]).read_text())
+    cmd = [str(python), str(Path(__file__).resolve()), "serve", "--job", str(job_path)]
+    print("+ " + " ".join(cmd), flush=True)
+    done, peak_rss = run_peak_rss(cmd, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM serve failed (exit {done.returncode}) on {job_path}")
+    return {**json.loads(Path(job["result"]).read_text()), "peak_rss_bytes": peak_rss}
 
 
 def round_budgets(accepted: list[int], k: int, max_new_tokens: int) -> list[int]:
@@ -356,7 +397,6 @@ def without_top_level_ids(draft_dir: Path, dest: Path) -> Path:
 def measure(args, plan: dict, python: Path) -> list[dict]:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from bench.common import device_name, record
     from elsi_fast.prompts import prompts_by_category
     from elsi_fast.prompts import load_prompts
@@ -453,6 +493,7 @@ def main(argv=None) -> int:
             raise SystemExit("serve: --job is required")
         serve(args.job)
         return 0
+    sys.path.insert(0, str(ROOT))  # bench.common and elsi_fast for the stages below
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     start = time.perf_counter()
     python = ensure_vllm_env(Path(args.venv)) if args.stage in ("all", "env", "measure") else None
