@@ -9,7 +9,8 @@ data:      the target answers a balanced subset of train_instructions.jsonl, 100
            its 8 categories (greedy, chat template, <= 128 new tokens: `regenerate`), and gives its
            greedy continuation of every Spec-Bench prompt (<= 128 new tokens, stopping at its
            end-of-turn token), once; --full-data then answers all 2397 instructions.
-calibrate: `analyze` on the training instructions (the calibration set a user has): the layer sets.
+calibrate: `analyze` on the claims' training instructions (the balanced subset: the calibration set a
+           user has is the prompts the drafts train on): the layer sets.
 cache:     the target's states on both, for the union of every set's layers (bfloat16), once.
 recipe:    what buys tau per CPU-hour, on ELSI m=1 (seed 0): init random / target, draft vocabulary
            2048 / 8192, training-time test 3 / 7, and a data-scaling curve (training tokens).
@@ -104,8 +105,8 @@ def stage_calibrate(model, tokenizer, out: Path) -> LayerReport:
     if path.is_file():
         return LayerReport.from_json(str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = analyze(model, tokenizer, load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS),
-                     m=(1, 3),
+    train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
+    report = analyze(model, tokenizer, training_subset(train, tokenizer), m=(1, 3),
                      state_path=str(path.parent / "state.pt"), model_name=out.name)
     report.to_json(str(path))
     report.plot(str(path.parent))
