@@ -123,6 +123,22 @@ def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys
     assert json.loads((out / "drafts" / "tau.json").read_text()) == tau
 
 
+def test_demo_runs_its_steps_on_a_given_model_without_building_the_demo_target(tmp_path, monkeypatch, capsys):
+    from elsi_fast import toy_targets as targets
+    from tiny_lm import TARGET, TOKENIZER
+
+    folder = tmp_path / "model"
+    TARGET.save_pretrained(folder)
+    TOKENIZER.save_pretrained(folder)
+    monkeypatch.setattr(targets, "build_demo_target", lambda *a, **k: pytest.fail("demo target built"))
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", str(folder), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_hidden_layers"] == TARGET.config.num_hidden_layers and report["model"] == str(folder)
+    assert f"--target {folder} " in capsys.readouterr().out
+    assert main(["demo", "--model", str(tmp_path / "missing.gguf"), "--out", str(out)]) == 2
+
+
 def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
     from elsi_fast import evaluation
     from elsi_fast.cli import EXIT_INTERRUPTED

@@ -1,6 +1,7 @@
 """`elsi-fast demo`: the whole method offline, on a small target trained from the Python stdlib.
 
-1. build (first run, a few minutes on two cores) or reuse the cached 12-layer demo target;
+1. build (first run, a few minutes on two cores) or reuse the cached 12-layer demo target, or take
+   --model (a named real target, a .gguf, a transformers folder: the demo's steps on your model);
 2. run `elsi-fast analyze` on held-out stdlib code: layer table, plots, serving configs in OUT;
 3. with --train-drafts, train two drafts with the same budget, ELSI m=1 and the EAGLE3 default
    m=3, and print their mean acceptance length side by side.
@@ -17,6 +18,9 @@ _CALIBRATION_PROMPTS = 64
 _EVAL_PROMPTS = 8
 
 
+from .analyze import MODEL_HELP
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
@@ -25,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and cached (ELSI_FAST_CACHE or ~/.cache/elsi-fast).",
     )
     parser.add_argument("--out", default="elsi-fast-demo", help="output folder (default ./elsi-fast-demo)")
+    parser.add_argument("--model", default=None,
+                        help="run the demo's steps on this target instead of the demo target: " + MODEL_HELP)
     parser.add_argument("--train-drafts", action="store_true",
                         help="also train ELSI m=1 and EAGLE3-default m=3 drafts and compare their tau")
     parser.add_argument("--steps", type=int, default=80, help="training steps per draft, with --train-drafts (default 80)")
@@ -34,9 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def check(args: argparse.Namespace) -> None:
     from . import UsageError
-    from .analyze import check_out_folder
+    from .analyze import check_model, check_out_folder
 
     check_out_folder(args.out)
+    if args.model is not None:
+        check_model(args.model, "--model")
     if args.steps < 1:
         raise UsageError(f"--steps: must be >= 1, got {args.steps}")
 
@@ -112,11 +120,14 @@ def handler(args: argparse.Namespace) -> int:
     from . import build_parser
 
     start = time.perf_counter()
-    target_dir = str(build_demo_target(progress=not args.no_progress))
-    built = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
-    link = _link_target(target_dir, args.out)
-    print(f"demo target: {target_dir} ({built - start:.0f}s), linked as {link}")
+    if args.model is None:
+        target_dir = str(build_demo_target(progress=not args.no_progress))
+        link = _link_target(target_dir, args.out)
+        print(f"demo target: {target_dir} ({time.perf_counter() - start:.0f}s), linked as {link}")
+    else:
+        target_dir = link = args.model
+    built = time.perf_counter()
 
     analyze_argv = ["analyze", "--model", target_dir, "--prompts", _calibration_file(args.out), "--out", args.out,
                     "--m", "1", "3", "--device", "cpu", "--max-tokens", "128"]
