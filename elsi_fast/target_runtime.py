@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ._extension import _C, IMPORT_ERROR, TORCH_WEIGHT_DTYPES
+from .draft.native import pack_matrix
 from .draft.quant import quantize_int8
 from .native_names import NATIVE_WEIGHT_DTYPES as WEIGHT_DTYPES
 
@@ -41,8 +42,6 @@ from .native_names import NATIVE_WEIGHT_DTYPES as WEIGHT_DTYPES
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
 # Most rows of x (tokens) the ops take (csrc/target_runtime.h, kLinearMaxRows); more go to torch.
 MAX_ROWS = _C.linear_max_rows if _C is not None else 8
-PACK_ROWS = _C.pack_rows if _C is not None else 4
-PACK_ROW_BYTES = _C.pack_row_bytes if _C is not None else 64
 
 # The attention implementation name a model on the runtime uses (transformers' AttentionInterface).
 ATTENTION_NAME = "elsi_fast"
@@ -88,14 +87,11 @@ def pack_weight(weight: Tensor, weight_dtype: str) -> tuple[Tensor, Tensor | Non
         w, scale = quantize_int8(weight)
     else:
         w = weight.detach().to(TORCH_WEIGHT_DTYPES[weight_dtype])
-    rows, cols = w.shape
-    tile = PACK_ROW_BYTES // w.element_size()
-    w = nn.functional.pad(w, (0, -cols % tile, 0, -rows % PACK_ROWS))
-    groups, tiles = w.shape[0] // PACK_ROWS, w.shape[1] // tile
-    w = w.reshape(groups, PACK_ROWS, tiles, tile)
+    packed = pack_matrix(w)  # the draft kernels' tiling: [groups, tiles, PACK_ROWS, C]
     if weight_dtype == "bf16":
-        w = w.reshape(groups, PACK_ROWS, tiles, tile // 16, 2, 8).transpose(-1, -2).reshape(groups, PACK_ROWS, tiles, tile)
-    return w.permute(0, 2, 1, 3).contiguous(), scale
+        groups, tiles, rows, cols = packed.shape
+        packed = packed.reshape(groups, tiles, rows, cols // 16, 2, 8).transpose(-1, -2).reshape(packed.shape)
+    return packed.contiguous(), scale
 
 
 def small_linear(x: Tensor, packed: Tensor, scale: Tensor | None, bias: Tensor | None, out_features: int,

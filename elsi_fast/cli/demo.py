@@ -14,11 +14,10 @@ import json
 import os
 import time
 
+from .analyze import MODEL_HELP
+
 _CALIBRATION_PROMPTS = 64
 _EVAL_PROMPTS = 8
-
-
-from .analyze import MODEL_HELP
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
