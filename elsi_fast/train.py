@@ -115,8 +115,9 @@ class _WindowBatches:
         with capture_hidden_states(target, layers=layers) as cap:
             logits = target(input_ids=ids).logits
         aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-        probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1)
-        return aux, ids[:, 1:], probs, None, ids.numel()
+        probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1).flatten(0, 1)
+        rows = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+        return aux, ids[:, 1:], probs, rows, ids.numel()
 
 
 class _SampleBatches:
@@ -133,56 +134,54 @@ class _SampleBatches:
     def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
         if self.cache is not None:
             ids, attention, loss_mask, aux, final = self.cache.batch(self.samples, picked.tolist(), layers)
+            rows = _label_rows(loss_mask).to(device)
             aux, ids = aux[:, :-1].to(device), ids.to(device)
-            logits = torch.nn.functional.linear(final[:, 1:].to(device), self.head_weight[draft_vocab].float())
+            logits = torch.nn.functional.linear(final[:, 1:].to(device)[rows], self.head_weight[draft_vocab].float())
         else:
             ids, attention, loss_mask = pad_samples([self.samples[i] for i in picked.tolist()])
+            rows = _label_rows(loss_mask).to(device)
             ids = ids.to(device)
             with capture_hidden_states(target, layers=layers) as cap:
-                logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:, draft_vocab]
+                logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:][rows][:, draft_vocab]
             aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-        probs = torch.softmax(logits.float(), dim=-1)
-        # Row t (features h_t, token x_{t+1}) is trained on the target's prediction of x_{t+2}.
-        rows = torch.zeros(loss_mask.shape[0], loss_mask.shape[1] - 1, dtype=torch.bool)
-        rows[:, :-1] = loss_mask[:, 2:]
-        return aux, ids[:, 1:], probs, rows.to(device), int(attention.sum())
+        return aux, ids[:, 1:], torch.softmax(logits.float(), dim=-1), rows, int(attention.sum())
 
 
-def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, row_mask: torch.Tensor | None = None,
+def _label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] draft rows in the loss: row t (features h_t, token x_{t+1}) is trained on the
+    target's prediction of x_{t+2}, so it is in when x_{t+2} is an answer token."""
+    rows = torch.zeros(loss_mask.shape[0], loss_mask.shape[1] - 1, dtype=torch.bool)
+    rows[:, :-1] = loss_mask[:, 2:]
+    return rows
+
+
+def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions: torch.Tensor,
              counts: Sequence[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
-    """Weighted training-time-test loss.
+    """Weighted training-time-test loss over the rows in the loss, packed.
 
-    step_logits[i] [B, L, Vd] predicts token t+2+i at draft position t; its soft label is probs
-    [B, L, Vd] shifted by i (row t+i); positions t >= L - i have no label and are left out, as are
-    rows whose label position is off in `row_mask` [B, L] (None: all on). counts[i]: the number of
-    rows step i averages over (default: this batch's; under torch.distributed, every rank's).
-    Returns (sum_i 0.8^i * mean cross-entropy_i, per-step cross-entropy sums, [step-0 top-1
-    agreements, rows]) as plain numbers for logging.
+    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order);
+    positions [n]: their s. step_logits[i] [n_i, Vd] (`Eagle3Draft.ttt_forward(...,
+    label_rows=...)`): step i's logits at (b, s - i) for the rows with s >= i, labelled by those
+    rows' probs (step i at position t predicts token t + 2 + i, the label of row t + i).
+    counts[i]: the number of rows step i averages over (default: this batch's; under
+    torch.distributed, every rank's). Returns (sum_i 0.8^i * mean cross-entropy_i, per-step
+    cross-entropy sums, [step-0 top-1 agreements, rows]) as plain numbers for logging.
     """
     total = probs.new_zeros(())
     sums: list[float] = []
-    length = probs.shape[1]
-    mask = torch.ones(probs.shape[:2], dtype=torch.bool, device=probs.device) if row_mask is None else row_mask
     for i, logits in enumerate(step_logits):
-        valid = length - i
-        if valid <= 0:
-            break
-        logp = torch.log_softmax(logits[:, :valid].float(), dim=-1)
-        rows = mask[:, i:].float()
-        ce = -(probs[:, i:] * logp).sum(-1) * rows
-        count = float(rows.sum()) if counts is None else counts[i]
+        labels = probs[positions >= i]
+        ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        count = float(labels.shape[0]) if counts is None else counts[i]
         total = total + TTT_DECAY**i * ce.sum() / max(count, 1.0)
         sums.append(float(ce.detach().sum()))
-    agree = ((step_logits[0].detach().argmax(-1) == probs.argmax(-1)) & mask).float().sum()
-    return total, sums, [float(agree), float(mask.sum())]
+    agree = (step_logits[0].detach().argmax(-1) == probs.argmax(-1)).float().sum()
+    return total, sums, [float(agree), float(probs.shape[0])]
 
 
-def _row_counts(row_mask: torch.Tensor | None, shape: tuple[int, int], steps: int) -> list[float]:
-    """Rows of each training-time-test step: [sum of row_mask[:, i:]] for i < steps."""
-    length = shape[1]
-    if row_mask is None:
-        return [float(shape[0] * max(length - i, 0)) for i in range(steps)]
-    return [float(row_mask[:, i:].sum()) for i in range(steps)]
+def _row_counts(positions: torch.Tensor, steps: int) -> list[float]:
+    """Rows of each training-time-test step: the label rows at positions >= i, for i < steps."""
+    return [float((positions >= i).sum()) for i in range(steps)]
 
 
 def _all_reduce_sum(values: list[float], world: int) -> list[float]:
@@ -368,8 +367,10 @@ def train_draft(
                 began = time.perf_counter()
                 picked = source.draw(batch_size, sampler)[rank * local : (rank + 1) * local]
                 aux, next_ids, probs, rows, tokens = source.features(target, layers, picked, vocab_ids.to(device), device)
-                counts = _all_reduce_sum(_row_counts(rows, probs.shape[:2], ttt_steps), world)
-                loss, sums, agree = ttt_loss(draft.ttt_forward(aux, next_ids, ttt_steps), probs, rows, counts)
+                positions = rows.nonzero(as_tuple=True)[1]
+                counts = _all_reduce_sum(_row_counts(positions, ttt_steps), world)
+                step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
+                loss, sums, agree = ttt_loss(step_logits, probs, positions, counts)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 _average_gradients(params, world)

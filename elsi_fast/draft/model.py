@@ -420,7 +420,8 @@ class Eagle3Draft(nn.Module):
         draft_ids = logits[:, -1].topk(top_k, dim=-1).indices
         return self.draft_to_target(draft_ids), hidden_out
 
-    def ttt_forward(self, aux_hidden: Tensor, next_ids: Tensor, num_steps: int) -> list[Tensor]:
+    def ttt_forward(self, aux_hidden: Tensor, next_ids: Tensor, num_steps: int,
+                    label_rows: Tensor | None = None) -> list[Tensor]:
         """EAGLE3 training-time test over a whole sequence, no cache.
 
         aux_hidden [B, T, m * d_t]; next_ids [B, T] (token_{t+1} for each position t). Step 0 is
@@ -430,6 +431,11 @@ class Eagle3Draft(nn.Module):
         sits i places after its target-fed pair). Query (step i, position t) attends step-0 keys at
         positions <= t and step-j keys (1 <= j <= i) at position t only. Step i at position t
         predicts token t + 2 + i. Returns num_steps logits tensors [B, T, draft_vocab].
+
+        label_rows [B, T] bool (training: the rows whose label is in the loss): the head then runs
+        only where a loss needs it, and step i returns [n_i, draft_vocab] logits at positions
+        (b, s - i) for the (b, s) of ``label_rows.nonzero()`` with s >= i, in that order (the head
+        is about half a step's work, and prompt and padding rows are most of a batch).
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
@@ -445,12 +451,20 @@ class Eagle3Draft(nn.Module):
             values.append(v)
             return _ttt_attend(q, keys, values, self.config.sliding_window)
 
+        if label_rows is not None and label_rows.shape != next_ids.shape:
+            raise ValueError(f"label_rows: expected shape {list(next_ids.shape)}, got {list(label_rows.shape)}")
+        label_b, label_t = label_rows.nonzero(as_tuple=True) if label_rows is not None else (None, None)
         logits = []
         ids = next_ids
         for step in range(num_steps):
             if step:
                 ids = F.pad(next_ids[:, step:], (0, step), value=0)
-            step_logits, hidden = self._head(self._layer(hidden, ids, positions + step, attend))
+            out = self._layer(hidden, ids, positions + step, attend)
+            if label_rows is None:
+                step_logits, hidden = self._head(out)
+            else:
+                keep = label_t >= step
+                step_logits, hidden = self._head(out, (label_b[keep], label_t[keep] - step))
             logits.append(step_logits)
         return logits
 
@@ -459,11 +473,13 @@ class Eagle3Draft(nn.Module):
         return ids + self.d2t[ids]
 
     # ----------------------------------------------------------------------------- internals
-    def _head(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """(logits, the next step's `h`) from the layer output h''."""
+    def _head(self, hidden: Tensor, rows: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """(logits, the next step's `h`) from the layer output h'' (logits only at `rows`, an
+        index pair into [B, T], when given)."""
         config = self.config
         normed = self.norm(hidden) if config.final_norm or config.norm_feedback else hidden
-        logits = self.lm_head(normed if config.final_norm else hidden)
+        source = normed if config.final_norm else hidden
+        logits = self.lm_head(source if rows is None else source[rows])
         return logits, normed if config.norm_feedback else hidden
 
     def _layer(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor,

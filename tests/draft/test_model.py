@@ -269,6 +269,26 @@ def test_ttt_forward_matches_explicit_mask_reference(name):
             torch.testing.assert_close(got[row], want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["m1-gqa", "m2-odd"])
+def test_ttt_forward_with_label_rows_gives_the_full_logits_at_those_rows(name):
+    """label_rows: step i's logits are the full run's at (b, s - i) for the label rows (b, s) with
+    s >= i, in nonzero() order; an empty selection gives no rows."""
+    cfg = make_config(**CONFIGS[name])
+    draft, _ = make_draft(cfg)
+    aux, ids = random_inputs(cfg, 3, 7)
+    full = draft.ttt_forward(aux, ids, num_steps=3)
+    rows = torch.rand(3, 7, generator=torch.Generator().manual_seed(4)) > 0.5
+    packed = draft.ttt_forward(aux, ids, num_steps=3, label_rows=rows)
+    for step, (got, want) in enumerate(zip(packed, full)):
+        expected = [want[b, s - step] for b, s in rows.nonzero().tolist() if s >= step]
+        assert got.shape == (len(expected), cfg.draft_vocab_size)
+        torch.testing.assert_close(got, torch.stack(expected), rtol=1e-12, atol=1e-12)
+    empty = draft.ttt_forward(aux, ids, num_steps=2, label_rows=torch.zeros(3, 7, dtype=torch.bool))
+    assert [tuple(s.shape) for s in empty] == [(0, cfg.draft_vocab_size)] * 2
+    with pytest.raises(ValueError, match="label_rows"):
+        draft.ttt_forward(aux, ids, num_steps=2, label_rows=rows[:, :5])
+
+
 def test_ttt_step_equals_inference_chain_with_rollback():
     """Step i at position t of the training-time test is what inference computes: extend pairs
     0..t with target features, then i draft steps feeding back hidden_out with the true next
