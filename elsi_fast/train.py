@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 STATE_FILE = "training_state.pt"
 SUMMARY_FILE = "train_summary.json"
 TTT_DECAY = 0.8
+# Conversations of a batch are run in length-sorted groups of this many, each padded to its own
+# longest: on the 800 SmolLM2 training conversations a random batch of 16 padded as one is 70% real
+# tokens, in groups of 4 it is 91%, with the same loss and gradient (the groups' gradients add up).
+MICRO_BATCH = 4
 
 
 def draft_vocab_ids(token_ids: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
@@ -109,6 +113,9 @@ class _WindowBatches:
     def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
         return torch.randint(0, self.stream.numel() - len(self.offsets) + 1, (batch_size,), generator=sampler)
 
+    def micro_batches(self, picked: torch.Tensor) -> list[torch.Tensor]:
+        return [picked]  # windows are all seq_len long: nothing to save
+
     @torch.no_grad()
     def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
         ids = self.stream[picked[:, None] + self.offsets].to(device)
@@ -129,6 +136,12 @@ class _SampleBatches:
 
     def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
         return torch.randint(0, len(self.samples), (batch_size,), generator=sampler)
+
+    def micro_batches(self, picked: torch.Tensor) -> list[torch.Tensor]:
+        """`picked` in groups of MICRO_BATCH samples of similar length (less padding)."""
+        lengths = torch.tensor([len(self.samples[i].ids) for i in picked.tolist()])
+        ordered = picked[torch.argsort(lengths, stable=True)]
+        return list(ordered.split(MICRO_BATCH))
 
     @torch.no_grad()
     def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
@@ -366,13 +379,19 @@ def train_draft(
             while step < steps:
                 began = time.perf_counter()
                 picked = source.draw(batch_size, sampler)[rank * local : (rank + 1) * local]
-                aux, next_ids, probs, rows, tokens = source.features(target, layers, picked, vocab_ids.to(device), device)
-                positions = rows.nonzero(as_tuple=True)[1]
-                counts = _all_reduce_sum(_row_counts(positions, ttt_steps), world)
-                step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
-                loss, sums, agree = ttt_loss(step_logits, probs, positions, counts)
+                groups = [source.features(target, layers, group, vocab_ids.to(device), device)
+                          for group in source.micro_batches(picked)]
+                positions = [rows.nonzero(as_tuple=True)[1] for _, _, _, rows, _ in groups]
+                counts = _all_reduce_sum([sum(c) for c in zip(*(_row_counts(p, ttt_steps) for p in positions))], world)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
+                for (aux, next_ids, probs, rows, group_tokens), group_positions in zip(groups, positions):
+                    step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
+                    loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
+                    loss.backward()  # each group's loss is over the global row counts: the gradients add up
+                    sums = [a + b for a, b in zip(sums, group_sums)]
+                    agree = [a + b for a, b in zip(agree, group_agree)]
+                    tokens += group_tokens
                 _average_gradients(params, world)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()

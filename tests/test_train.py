@@ -199,3 +199,29 @@ def test_warm_start_copies_the_targets_last_block_head_rows_and_norm(tmp_path):
     torch.testing.assert_close(draft.norm.weight, TARGET.model.norm.weight, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="init"):
         train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path, init="warm", **SMALL)
+
+
+def test_length_sorted_micro_batches_give_the_loss_and_weights_of_one_padded_batch(samples, tmp_path, monkeypatch):
+    """A batch run as one padded group and as length-sorted groups of 1 and 3 conversations: the
+    same loss curve, top-1 and weights to float tolerance (each group's loss is over the batch's
+    row counts, so the gradients add up); the groups are the batch, sorted by length."""
+    args = {**CONVERSATION_ARGS, "batch_size": 6, "steps": 4}
+    runs = {}
+    for group in (64, 3, 1):
+        monkeypatch.setattr(train_mod, "MICRO_BATCH", group)
+        draft = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / str(group), **args)
+        history = json.loads((tmp_path / str(group) / "train_summary.json").read_text())["history"]
+        runs[group] = (draft.state_dict(), history)
+    (one, curve), picked = runs[64], torch.arange(6)
+    for group in (3, 1):
+        state, history = runs[group]
+        assert [h["loss"] for h in history] == pytest.approx([h["loss"] for h in curve], rel=1e-5)
+        assert [h["top1"] for h in history] == pytest.approx([h["top1"] for h in curve], abs=1e-9)
+        assert [h["tokens"] for h in history] == [h["tokens"] for h in curve]
+        for name, tensor in one.items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(train_mod, "MICRO_BATCH", 2)
+    groups = train_mod._SampleBatches(samples, None, None).micro_batches(picked)
+    lengths = [[len(samples[i].ids) for i in g.tolist()] for g in groups]
+    assert sorted(torch.cat(groups).tolist()) == picked.tolist() and all(len(g) <= 2 for g in groups)
+    assert [l for g in lengths for l in g] == sorted(len(samples[i].ids) for i in picked.tolist())
