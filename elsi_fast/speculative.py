@@ -126,6 +126,9 @@ class _TargetRunner:
         self.layers = list(aux_layer_ids)
         self.cache = DynamicCache(config=target.config)
         self.cache_kwarg = cache_kwarg(target)
+        # The prompt's prefill needs the logits of its last position only: the lm head over every
+        # prompt position is a large share of a long prefill (SmolLM2: 49152 x 576 per position).
+        self.keeps_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
         self.seconds = 0.0
         from .threads import FreeCores
 
@@ -133,22 +136,24 @@ class _TargetRunner:
         self.team = FreeCores(limit=torch.get_num_threads())
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids [1, T] -> (greedy next ids [1, T], aux hidden [1, T, m*d_target] or None)."""
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, T] -> (greedy next ids [1, T], or [1, 1] for the last position when
+        `last_only`; aux hidden [1, T, m*d_target] or None)."""
         start = time.perf_counter()
         team, previous = self.team(), torch.get_num_threads()
         torch.set_num_threads(team)
+        kwargs = {self.cache_kwarg: self.cache, **({"logits_to_keep": 1} if last_only and self.keeps_logits else {})}
         try:
             if self.layers:
                 with capture_hidden_states(self.target, layers=self.layers) as cap:
-                    out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+                    out = self.target(input_ids=ids, use_cache=True, **kwargs)
                 aux = torch.cat([cap.states[layer] for layer in self.layers], dim=-1)
             else:
-                out = self.target(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
+                out = self.target(input_ids=ids, use_cache=True, **kwargs)
                 aux = None
         finally:
             torch.set_num_threads(previous)
-        greedy = out.logits.argmax(dim=-1)
+        greedy = out.logits[:, -1:].argmax(dim=-1) if last_only else out.logits.argmax(dim=-1)
         self.seconds += time.perf_counter() - start
         return greedy, aux
 
@@ -176,7 +181,7 @@ class ReplayTarget:
         self.position = 0  # positions the (virtual) target cache holds
         self.seconds = 0.0
 
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         length = ids.shape[1]
         start, end = self.position, self.position + length
         true = self.ids[start:end]
@@ -397,7 +402,7 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     prompt_len = input_ids.shape[1]
     draft_seconds = 0.0
 
-    greedy, aux = runner.forward(input_ids)
+    greedy, aux = runner.forward(input_ids, last_only=True)
     emitted = [int(greedy[0, -1])]
     # Draft pairs (h_t, x_{t+1}) for every prompt position; the last output predicts x_{S}.
     pair_ids = torch.cat([input_ids[:, 1:], greedy[:, -1:]], dim=1)
@@ -458,7 +463,7 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *,
     `speculative_generate` on the same target reproduces."""
     input_ids = _check_inputs(input_ids, max_new_tokens, 1)
     runner = _TargetRunner(target, [])
-    greedy, _ = runner.forward(input_ids)
+    greedy, _ = runner.forward(input_ids, last_only=True)
     emitted = [int(greedy[0, -1])]
     while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
         greedy, _ = runner.forward(torch.tensor([[emitted[-1]]], dtype=torch.long, device=input_ids.device))
