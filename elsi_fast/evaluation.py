@@ -287,10 +287,10 @@ def _replay_batched(draft, records: list[dict], samples: list[Sample], indices: 
         full[index] = x
         full_ids = ids.new_zeros(rows, ids.shape[1])
         full_ids[index] = ids
-        logits, out = draft.forward(full, full_ids, ragged)
         last = torch.tensor(keep) - 1
+        logits, out = draft.forward(full, full_ids, ragged, logits_at=(index, last))
         ragged.lengths[index] += torch.tensor(keep)
-        picked = logits[index, last].argmax(-1)
+        picked = logits.argmax(-1)
         return draft.draft_to_target(picked).tolist(), out[index, last][:, None]
 
     # Prefill: the pairs (h_t, x_{t+1}) of every prompt position, the last one's x the first new token.

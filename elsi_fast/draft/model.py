@@ -349,7 +349,8 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden)
 
     def forward(self, hidden: Tensor, input_ids: Tensor, cache: "DraftKVCache | RaggedKVCache | None" = None,
-                position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                position_ids: Tensor | None = None,
+                logits_at: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """One draft layer over T new pairs.
 
         hidden [B, T, d]: fc output or a previous step's `hidden_out`; input_ids [B, T]: the token
@@ -358,13 +359,15 @@ class Eagle3Draft(nn.Module):
         cache); `position_ids` [T] or [B, T] overrides the RoPE positions only (the mask is always
         causal by cache index). Returns (logits [B, T, draft_vocab], hidden_out [B, T, d]: the next
         step's `h`, pre-norm unless `config.norm_feedback`). With a `RaggedKVCache` row b's new
-        positions are lengths[b] + arange(T) (the caller advances `lengths`).
+        positions are lengths[b] + arange(T) (the caller advances `lengths`). logits_at: an index
+        pair (rows, positions) into [B, T]: the logits only there, [n, draft_vocab] (the head is most
+        of a batched step's work when only some rows' last positions propose a token).
         """
         self._check_float(hidden, "hidden", self.config.hidden_size, "hidden_size")
         self._check_ids(input_ids, hidden, "input_ids")
         t = hidden.shape[1]
         if isinstance(cache, RaggedKVCache):
-            return self._head(self._layer(hidden, input_ids, *self._ragged(cache, t, hidden.device)))
+            return self._head(self._layer(hidden, input_ids, *self._ragged(cache, t, hidden.device)), logits_at)
         past = 0 if cache is None else cache.length
         if cache is not None:
             self._check_cache(cache, hidden)
@@ -379,7 +382,7 @@ class Eagle3Draft(nn.Module):
                 k, v = cache.append(k, v)
             return _attend(q, k, v, _allowed_mask(t, past, self.config.sliding_window, q.device))
 
-        return self._head(self._layer(hidden, input_ids, position_ids, attend))
+        return self._head(self._layer(hidden, input_ids, position_ids, attend), logits_at)
 
     def _ragged(self, cache: RaggedKVCache, t: int, device: torch.device):
         """(positions [B, T], attend) for T new positions of every row of a `RaggedKVCache`."""
