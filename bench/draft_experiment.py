@@ -309,6 +309,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--stages", nargs="+", default=["data", "calibrate", "cache", "recipe", "claims"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sets", nargs="+", default=None,
+                        help="claims: only these layer sets, in this order (default: all, in the claims' order)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--smoke", action="store_true", help="a minute-long check on a few prompts and steps")
@@ -334,13 +336,16 @@ def main() -> None:
     report = stage_calibrate(model, tokenizer, out)
     sets = sets_of(report, args.model)
     (out / "sets.json").write_text(json.dumps(sets, indent=1))
+    unknown = sorted(set(args.sets or []) - set(sets))
+    if unknown:
+        parser.error(f"--sets: {unknown} are not layer sets of {args.model}; choose from {list(sets)}")
     print("layer sets:", sets)
     if "cache" in args.stages:
         stage_cache(model, tokenizer, out, sorted({l for layers in sets.values() for l in layers}))
     if "recipe" in args.stages:
         stage_recipe(model, tokenizer, out, sets)
     if "claims" in args.stages:
-        stage_claims(model, tokenizer, out, sets, args.seeds)
+        stage_claims(model, tokenizer, out, {name: sets[name] for name in args.sets} if args.sets else sets, args.seeds)
 
 
 if __name__ == "__main__":
