@@ -284,9 +284,10 @@ class NativeDraftDecoder:
     def prefill(self, aux: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Cache positions length .. length+T-1 from target features with one torch extend of the
         source module, instead of T fused steps: a GEMM over T positions beats T matrix-vector
-        passes once T is more than a few tokens (bench/bench_spec_e2e.py: 64 positions at d=1024
-        are 3-7x faster). The keys/values come from the module's own weights (fp32 or bf16, not
-        this decoder's int8/bf16 copies) and are stored in the decoder's fp32 cache.
+        passes once T is more than a few tokens (64 positions at d=1024 were 3-7x faster on
+        2026-11-30; 16 at SmolLM2's d=576 1.2-1.7x: bench/bench_spec_e2e.py --part parts). The
+        keys/values come from the module's own weights (fp32 or bf16, not this decoder's int8/bf16
+        copies) and are stored in the decoder's fp32 cache.
 
         aux [1, T, m * d_t] target features, ids [1, T] their paired tokens. Returns (target ids
         [1] of the last position's best draft token, its hidden_out [d] in the module's dtype).
