@@ -1,7 +1,10 @@
 """The paper's draft claims on real targets: EAGLE3 drafts on chosen layer sets, trained the anchors'
-way, tau on all 480 Spec-Bench prompts. A resumable experiment: every cell (data, cache, a trained
-draft, its tau) is kept under runs/draft-experiment/<model>/ and a rerun does only what is missing,
-so it continues across sessions.
+way, tau on all 480 Spec-Bench prompts. A resumable experiment: every step (data, cache, a trained
+draft, its tau) works under runs/draft-experiment/<model>/ and a rerun does only what is missing.
+What a later session on a fresh clone needs is committed under bench/results/draft_experiment/<model>/
+(--keep): the regenerated answers as token ids (not the prompts: `regenerate.export_answers`), the
+calibration report and every finished cell's result; a rerun restores them instead of recomputing,
+and rebuilds only the cache (minutes) and unfinished drafts.
 
     python bench/draft_experiment.py [--model smollm2-135m-instruct] [--stages data calibrate cache recipe claims]
 
@@ -33,17 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast.evaluation import continuation_samples, pooled_tau, replay_runs  # noqa: E402
+from elsi_fast.evaluation import continuation_samples, pooled_tau, replay_runs_per_k  # noqa: E402
 from elsi_fast.feature_cache import build, open_cache  # noqa: E402
 from elsi_fast.loading import load_model  # noqa: E402
 from elsi_fast.prompts import load_prompts  # noqa: E402
-from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate  # noqa: E402
+from elsi_fast.regenerate import (  # noqa: E402
+    CONVERSATIONS_FILE, export_answers, read_conversations, regenerate, restore_answers,
+)
 from elsi_fast.report import LayerReport  # noqa: E402
 from elsi_fast.train import train_draft  # noqa: E402
 from elsi_fast.training_data import conversation_samples  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "prompts"
 RUNS = ROOT / "runs" / "draft-experiment"
+KEEP = ROOT / "bench" / "results" / "draft_experiment"  # committed: what a fresh clone continues from
 RESULTS = "draft_experiment_cpu"
 KS = (1, 2, 3, 4, 5)
 MAX_TOKENS = 512  # per training conversation
@@ -78,7 +84,19 @@ def training_subset(prompts, tokenizer) -> list:
     return [p for p in prompts if p.id in chosen]
 
 
-def stage_data(model, tokenizer, out: Path) -> None:
+def _regenerate_kept(model, tokenizer, prompts, folder: Path, keep: Path, **settings) -> None:
+    """`regenerate` into `folder`, first restored from the kept answers `keep/<folder>.answers.json`
+    when the folder is new; the finished answers are kept again afterwards."""
+    kept = keep / f"{folder.name}.answers.json"
+    if not (folder / CONVERSATIONS_FILE).is_file() and kept.is_file():
+        print(f"{folder.name}: {restore_answers(model, tokenizer, prompts, folder, json.loads(kept.read_text()), **settings)}"
+              f" answers restored from {kept}")
+    print(regenerate(model, tokenizer, prompts, folder, **settings))
+    keep.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(export_answers(folder)))
+
+
+def stage_data(model, tokenizer, out: Path, keep: Path) -> None:
     """The balanced training subset first (what the claims train on), then the evaluation
     continuations, then the rest of the training instructions (the data-scaling curve's larger
     budgets). Answers already regenerated for the full set are reused for the subset."""
@@ -90,27 +108,30 @@ def stage_data(model, tokenizer, out: Path) -> None:
         wanted = {p.id for p in subset}
         reused = [r for r in read_conversations(out / "train" / CONVERSATIONS_FILE) if r["id"] in wanted]
         (folder / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in reused))
-    print(regenerate(model, tokenizer, subset, folder, max_new_tokens=128, batch_size=48))
+    _regenerate_kept(model, tokenizer, subset, folder, keep, max_new_tokens=128, batch_size=48)
     evaluation = load_prompts(str(DATA / "spec_bench_question.jsonl"), max_prompts=MAX_PROMPTS)
-    print(regenerate(model, tokenizer, evaluation, out / "eval", max_new_tokens=128, max_prompt_tokens=512,
-                     batch_size=16))
+    _regenerate_kept(model, tokenizer, evaluation, out / "eval", keep, max_new_tokens=128, max_prompt_tokens=512,
+                     batch_size=16)
     if FULL_DATA:
-        print(regenerate(model, tokenizer, train, out / "train", max_new_tokens=128, batch_size=48))
+        _regenerate_kept(model, tokenizer, train, out / "train", keep, max_new_tokens=128, batch_size=48)
 
 
-def stage_calibrate(model, tokenizer, out: Path) -> LayerReport:
+def stage_calibrate(model, tokenizer, out: Path, keep: Path) -> LayerReport:
+    """`analyze` on the training subset once (resumable), its report kept."""
     from elsi_fast.analysis import analyze
 
-    path = out / "calibration" / "report.json"
+    path = keep / "calibration-report.json"
     if path.is_file():
         return LayerReport.from_json(str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    work = out / "calibration"
+    work.mkdir(parents=True, exist_ok=True)
     train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
     report = analyze(model, tokenizer, training_subset(train, tokenizer), m=(1, 3),
-                     state_path=str(path.parent / "state.pt"), model_name=out.name)
+                     state_path=str(work / "state.pt"), model_name=out.name)
+    report.plot(str(work))
+    keep.mkdir(parents=True, exist_ok=True)
     report.to_json(str(path))
-    report.plot(str(path.parent))
-    for leftover in path.parent.glob("state.pt*"):
+    for leftover in work.glob("state.pt*"):
         leftover.unlink()
     return report
 
@@ -128,11 +149,12 @@ def stage_cache(model, tokenizer, out: Path, layers: list[int]) -> None:
     build(model, continuation_samples(_records(out, "eval")), layers, out / "cache-eval", dtype="bfloat16")
 
 
-def run_cell(model, tokenizer, out: Path, name: str, layers: list[int], seed: int, recipe: dict, tag: str) -> dict:
+def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[int], seed: int, recipe: dict,
+             tag: str) -> dict:
     """Train one draft (resumable) and replay its tau at every k; the cell's result is kept in
-    result.json, and a rerun reads it instead of recomputing."""
+    `keep/cells/<cell>.json`, and a rerun reads it instead of recomputing."""
     cell = out / "cells" / f"{name}-seed{seed}-{tag}"
-    done = cell / "result.json"
+    done = keep / "cells" / f"{cell.name}.json"
     if done.is_file():
         return json.loads(done.read_text())
     train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
@@ -142,13 +164,11 @@ def run_cell(model, tokenizer, out: Path, name: str, layers: list[int], seed: in
     train_cpu = time.process_time() - started
     summary = json.loads((cell / "train_summary.json").read_text())
     records, cache = _records(out, "eval"), open_cache(out / "cache-eval")
-    taus, eval_cpu = {}, {}
-    for k in KS:
-        began = time.process_time()
-        runs = replay_runs(draft, records, cache, k=k, batch_size=48)
-        eval_cpu[k] = time.process_time() - began
-        taus[k] = {"pooled": pooled_tau(runs),
-                   "per_prompt": {cat: [r.tau for r in results] for cat, results in runs.items()}}
+    began = time.process_time()
+    runs = replay_runs_per_k(draft, records, cache, KS, batch_size=16)
+    eval_cpu = time.process_time() - began
+    taus = {k: {"pooled": pooled_tau(runs[k]),
+                "per_prompt": {cat: [r.tau for r in results] for cat, results in runs[k].items()}} for k in KS}
     result = {"name": name, "layers": layers, "seed": seed, "tag": tag, "recipe": recipe,
               "train_tokens": sum(h["tokens"] for h in summary["history"]), "final_loss": summary["final_loss"],
               "final_top1": summary["history"][-1]["top1"], "train_cpu_seconds": train_cpu,
@@ -159,29 +179,30 @@ def run_cell(model, tokenizer, out: Path, name: str, layers: list[int], seed: in
         record(RESULTS, "draft_tau", f"tau/k={k}", taus[k]["pooled"]["all"], "tokens/forward", device=device,
                params={"model": out.name, "set": name, "layers": layers, "seed": seed, "tag": tag, "recipe": recipe,
                        "per_category": taus[k]["pooled"], "train_tokens": result["train_tokens"],
-                       "train_cpu_seconds": train_cpu, "prompts": len(records), "max_new_tokens": 128,
-                       "loadavg": os.getloadavg()})
+                       "train_cpu_seconds": train_cpu, "eval_cpu_seconds": eval_cpu, "prompts": len(records),
+                       "max_new_tokens": 128, "loadavg": os.getloadavg()})
+    done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(result))
     return json.loads(done.read_text())  # the same (string) keys whether computed now or read
 
 
-def stage_recipe(model, tokenizer, out: Path, sets: dict) -> None:
+def stage_recipe(model, tokenizer, out: Path, keep: Path, sets: dict) -> None:
     layers = sets["elsi-m1"]
     variants = {"base": {}, "random-init": {"init": "random"}, "vocab2048": {"draft_vocab_size": 2048},
                 "ttt7": {"ttt_steps": 7}, "steps30": {"steps": 30, "warmup": 3}, "steps60": {"steps": 60, "warmup": 6},
                 "steps240": {"steps": 240, "warmup": 24}}
     for tag, change in variants.items():
         # the base recipe's cell is the claims' ELSI m=1 seed-0 cell
-        result = run_cell(model, tokenizer, out, "elsi-m1", layers, 0, {**RECIPE, **change},
+        result = run_cell(model, tokenizer, out, keep, "elsi-m1", layers, 0, {**RECIPE, **change},
                           "claims" if tag == "base" else f"recipe-{tag}")
         print(f"recipe {tag:<12} tau(k=4) {result['tau']['4']['pooled']['all']:.3f}, "
               f"train {result['train_cpu_seconds'] / 60:.1f} CPU-min, {result['train_tokens']} tokens")
 
 
-def stage_claims(model, tokenizer, out: Path, sets: dict, seeds: list[int]) -> None:
+def stage_claims(model, tokenizer, out: Path, keep: Path, sets: dict, seeds: list[int]) -> None:
     for seed in seeds:  # every set at one seed before the next seed: partial results stay balanced
         for name, layers in sets.items():
-            result = run_cell(model, tokenizer, out, name, layers, seed, RECIPE, "claims")
+            result = run_cell(model, tokenizer, out, keep, name, layers, seed, RECIPE, "claims")
             print(f"{name:<16} seed {seed}: tau(k=4) {result['tau']['4']['pooled']['all']:.3f}")
 
 
@@ -211,14 +232,14 @@ def _prompt_bootstrap(runs: dict, reference: dict, k: str = "4", draws: int = 40
     return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
-def stage_report(out: Path, images: Path | None = None) -> str:
-    """Markdown tables (and plots into `images`) of the finished claims cells: tau per set and
-    category at k = 4, paired differences against the EAGLE3 default over seeds, tau against k;
-    and the recipe cells."""
-    cells = [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*/result.json"))]
+def stage_report(keep: Path, images: Path | None = None) -> str:
+    """Markdown tables (and plots into `images`) of the finished claims cells kept in `keep`: tau per
+    set and category at k = 4, paired differences against the EAGLE3 default over seeds, tau
+    against k; and the recipe cells."""
+    cells = [json.loads(p.read_text()) for p in sorted((keep / "cells").glob("*.json"))]
     claims = [c for c in cells if c["tag"] == "claims"]
-    sets = json.loads((out / "sets.json").read_text())
-    lines = [f"### {out.name}: claims cells ({len(claims)} drafts)", ""]
+    sets = json.loads((keep / "sets.json").read_text())
+    lines = [f"### {keep.name}: claims cells ({len(claims)} drafts)", ""]
     by_set: dict[str, dict[int, dict]] = {}
     for cell in claims:
         by_set.setdefault(cell["name"], {})[cell["seed"]] = cell
@@ -263,7 +284,7 @@ def stage_report(out: Path, images: Path | None = None) -> str:
                          f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
                          f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
     if images is not None and claims:
-        _plots(by_set, sets, categories, images, out.name)
+        _plots(by_set, sets, categories, images, keep.name)
     return "\n".join(lines)
 
 
@@ -312,7 +333,10 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=None,
                         help="claims: only these layer sets, in this order (default: all, in the claims' order)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--runs", type=Path, default=RUNS)
+    parser.add_argument("--runs", type=Path, default=RUNS, help="working state: data, caches, drafts")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help=f"committed state a fresh clone continues from (default {KEEP.relative_to(ROOT)}; "
+                             "--smoke: under --runs)")
     parser.add_argument("--smoke", action="store_true", help="a minute-long check on a few prompts and steps")
     parser.add_argument("--full-data", action="store_true", help="data stage: also all 2397 training instructions")
     args = parser.parse_args()
@@ -326,16 +350,17 @@ def main() -> None:
 
     configure(args.threads)
     out = args.runs / args.model
+    keep = (args.keep or (args.runs / "keep" if args.smoke else KEEP)) / args.model
     if args.stages == ["report"]:
-        print(stage_report(out, ROOT / "docs" / "img" if not args.smoke else args.runs / "img"))
+        print(stage_report(keep, ROOT / "docs" / "img" if not args.smoke else args.runs / "img"))
         return
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     out.mkdir(parents=True, exist_ok=True)
     if "data" in args.stages:
-        stage_data(model, tokenizer, out)
-    report = stage_calibrate(model, tokenizer, out)
+        stage_data(model, tokenizer, out, keep)
+    report = stage_calibrate(model, tokenizer, out, keep)
     sets = sets_of(report, args.model)
-    (out / "sets.json").write_text(json.dumps(sets, indent=1))
+    (keep / "sets.json").write_text(json.dumps(sets, indent=1))
     unknown = sorted(set(args.sets or []) - set(sets))
     if unknown:
         parser.error(f"--sets: {unknown} are not layer sets of {args.model}; choose from {list(sets)}")
@@ -343,9 +368,10 @@ def main() -> None:
     if "cache" in args.stages:
         stage_cache(model, tokenizer, out, sorted({l for layers in sets.values() for l in layers}))
     if "recipe" in args.stages:
-        stage_recipe(model, tokenizer, out, sets)
+        stage_recipe(model, tokenizer, out, keep, sets)
     if "claims" in args.stages:
-        stage_claims(model, tokenizer, out, {name: sets[name] for name in args.sets} if args.sets else sets, args.seeds)
+        stage_claims(model, tokenizer, out, keep, {name: sets[name] for name in args.sets} if args.sets else sets,
+                     args.seeds)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ continuation of each prompt (`regenerate` with greedy decoding) and the target's
 (a `feature_cache.FeatureCache` of prompt + continuation) are computed once, and every draft's
 rounds are replayed on them (`speculative.ReplayTarget`): the same accepted lengths, round by round.
 On 480 Spec-Bench prompts that is the difference between an hour of target forwards per draft on
-2 cores and the draft's own steps only.
+2 cores and the draft's own steps only. `replay_runs_per_k` goes further: one whole-sequence
+training-time-test forward of the draft gives its chain from every position, and with it the
+rounds at every k.
 """
 
 from __future__ import annotations
@@ -194,6 +196,18 @@ def continuation_samples(records: Sequence[dict]) -> list[Sample]:
     return samples
 
 
+def _checked_samples(records: Sequence[dict], cache) -> list[Sample]:
+    """`continuation_samples(records)`, checked to be what `cache` was dumped from."""
+    from .feature_cache import samples_fingerprint
+
+    if not records:
+        raise ValueError("records: no continuations given")
+    samples = continuation_samples(records)
+    if cache.meta["samples"] != samples_fingerprint(samples):
+        raise ValueError(f"cache: {cache.path} was dumped from other continuations")
+    return samples
+
+
 def replay_runs(
     draft,
     records: Sequence[dict],
@@ -211,33 +225,21 @@ def replay_runs(
     continuation ends at the target's stop token or at the length cap); cache: a `FeatureCache` of
     `continuation_samples(records)` holding the draft's layers. Each prompt generates exactly its
     continuation's length, stopping at its stop token, as `speculative_generate` with that budget
-    and `eos_token_id` does. batch_size: replay that many prompts side by side in one torch draft
-    batch (`_replay_batched`: every draft step reads the weights once for all of them; the torch
-    path's numbers), else one prompt at a time on the path draft_dtype / draft_backend choose.
+    and `eos_token_id` does. batch_size: replay that many prompts per torch forward, all rounds at
+    once (`replay_runs_per_k`; the torch path's numbers), else one prompt at a time on the path
+    draft_dtype / draft_backend choose.
     only: replay just the records at these positions (the cache still covers all of them)."""
     from tqdm.auto import tqdm
 
-    from .feature_cache import samples_fingerprint
-
-    if not records:
-        raise ValueError("records: no continuations given")
-    samples = continuation_samples(records)
-    if cache.meta["samples"] != samples_fingerprint(samples):
-        raise ValueError(f"cache: {cache.path} was dumped from other continuations")
+    if batch_size is not None:
+        if draft_dtype is not None or draft_backend == "native":
+            raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
+        return replay_runs_per_k(draft, records, cache, (k,), batch_size=batch_size, only=only, progress=progress)[k]
+    samples = _checked_samples(records, cache)
     layers = list(draft.config.aux_layer_ids)
     longest = max(len(s.ids) for s in samples)
     runs: dict[str, list[SpecResult]] = {}
     wanted = set(range(len(records))) if only is None else set(only)
-    if batch_size is not None:
-        if draft_dtype is not None or draft_backend == "native":
-            raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
-        usable = [i for i, r in enumerate(records) if len(r["response_ids"]) >= 2 and (only is None or i in wanted)]
-        for start in tqdm(range(0, len(usable), batch_size), desc="replay tau (batched)", disable=not progress):
-            chunk = usable[start : start + batch_size]
-            for index, result in zip(chunk, _replay_batched(draft, [records[i] for i in chunk], samples, chunk,
-                                                             cache, layers, k)):
-                runs.setdefault(records[index].get("category") or "text", []).append(result)
-        return runs
     decoder = native_decoder_for(draft, longest + k + 1, draft_dtype=draft_dtype, draft_backend=draft_backend)
     for index, record in enumerate(tqdm(records, desc="replay tau", disable=not progress)):
         if index not in wanted:
@@ -256,96 +258,100 @@ def replay_runs(
     return runs
 
 
+def replay_runs_per_k(
+    draft,
+    records: Sequence[dict],
+    cache,
+    ks: Sequence[int] = (1, 2, 3, 4, 5),
+    *,
+    batch_size: int = 16,
+    only: Sequence[int] | None = None,
+    progress: bool = False,
+) -> dict[int, dict[str, list[SpecResult]]]:
+    """`replay_runs` at every k of `ks` from one pass of the torch draft: k -> category -> results.
+
+    With the continuation fixed, round after round the draft restarts from a pair t whose context
+    is all target states, and its chain from t (k greedy steps) is the same whatever k is: a
+    k-chain is the first k steps of a longer one. The training-time-test forward
+    (`Eagle3Draft.ttt_forward`) computes the chain from every t at once, step i at position t
+    predicting token t + 2 + i with the same attention and RoPE positions as decoding, fed the
+    continuation's tokens, which are the drafted ones for as long as the chain matches. So the
+    match length L(t) of every t comes from max(ks) whole-sequence steps, and each k's rounds are
+    bookkeeping: from t, n = min(L(t), k) accepted and t moves n + 1 on (`_rounds`). batch_size:
+    sequences per forward (length-sorted). A sliding-window draft attends a window that moves
+    with each step, which the whole-sequence forward does not: it replays with batch_size=None in
+    `replay_runs` when its sequences outgrow the window."""
+    from tqdm.auto import tqdm
+
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"ks: expected positive integers, got {ks!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+    samples = _checked_samples(records, cache)
+    window = draft.config.sliding_window
+    if window is not None and max(len(s.ids) for s in samples) + max(ks) > window:
+        raise ValueError(f"draft: its sliding window ({window}) is shorter than the replayed sequences; "
+                         "replay it with replay_runs(..., batch_size=None)")
+    wanted = range(len(records)) if only is None else sorted(set(only))
+    usable = sorted((i for i in wanted if len(records[i]["response_ids"]) >= 2), key=lambda i: len(samples[i].ids))
+    layers = list(draft.config.aux_layer_ids)
+    rounds: dict[int, dict[int, list[int]]] = {k: {} for k in ks}
+    for start in tqdm(range(0, len(usable), batch_size), desc="replay tau (all k)", disable=not progress):
+        chunk = usable[start : start + batch_size]
+        for i, matches in zip(chunk, _chain_matches(draft, [records[i] for i in chunk], samples, chunk, cache, layers,
+                                                    max(ks))):
+            for k in ks:
+                rounds[k][i] = _rounds(matches, records[i], k)
+    runs: dict[int, dict[str, list[SpecResult]]] = {}
+    for k in ks:
+        runs[k] = {}
+        for i in sorted(rounds[k]):  # record order within each category
+            runs[k].setdefault(records[i].get("category") or "text", []).append(SpecResult(
+                tokens=torch.tensor(records[i]["response_ids"]), accepted_lengths=rounds[k][i], k=k, draft_time_s=0.0,
+                target_time_s=0.0, draft_backend="torch chain replay", draft_calls={}))
+    return runs
+
+
 @torch.no_grad()
-def _replay_batched(draft, records: list[dict], samples: list[Sample], indices: list[int], cache, layers: list[int],
-                    k: int) -> list[SpecResult]:
-    """`speculative_loop` for several prompts in lockstep, the draft in torch over a `RaggedKVCache`
-    (each prompt at its own position): the same bookkeeping per prompt, one batched draft call per
-    step for all of them."""
-    from .draft.model import RaggedKVCache
-
+def _chain_matches(draft, records: list[dict], samples: list[Sample], indices: list[int], cache, layers: list[int],
+                   depth: int) -> list[list[int]]:
+    """For each record, L(t) for every pair t = prompt_len - 1 ... len - 3: how many of the draft's
+    first `depth` greedy chain tokens from t equal the continuation's (see `replay_runs_per_k`)."""
     weight = draft.fc.weight
-    rows = len(records)
-    _, _, _, aux, _ = cache.batch(samples, indices, layers)
-    targets = [ReplayTarget(samples[i].ids, aux[b, : len(samples[i].ids)].to(weight.dtype)) for b, i in enumerate(indices)]
-    budget = [len(r["response_ids"]) for r in records]
-    eos = [r["response_ids"][-1] if r.get("stop") == "eos" else None for r in records]
-    prompt_len = [len(r["prompt_ids"]) for r in records]
-    # Room for a finished row's idle writes too: every forward writes every row (at slots past its
-    # length, never attended and overwritten later), so that no row's cache needs copying.
-    ragged = RaggedKVCache(rows, draft.config.num_key_value_heads, draft.config.head_dim,
-                           max(len(samples[i].ids) for i in indices) + 2 * k + 4, device=weight.device,
-                           dtype=weight.dtype)
+    ids, _, _, aux, _ = cache.batch(samples, indices, layers)
+    lengths = [len(samples[i].ids) for i in indices]
+    starts = [len(r["prompt_ids"]) - 1 for r in records]
+    width = ids.shape[1] - 1  # pairs (h_t, x_{t+1}) for t < len - 1
+    next_ids = ids[:, 1:]
+    chain_rows = torch.zeros(len(indices), width, dtype=torch.bool)
+    for b, (first, length) in enumerate(zip(starts, lengths)):
+        chain_rows[b, first : length - 2] = True  # chain starts whose first token t + 2 exists
+    step_logits = draft.ttt_forward(aux[:, :width].to(weight.dtype), next_ids, depth, label_rows=chain_rows)
+    rows_b, rows_s = chain_rows.nonzero(as_tuple=True)
+    matched = torch.zeros(len(indices), width, depth, dtype=torch.bool)  # [b, chain start t, step i]
+    for step, logits in enumerate(step_logits):
+        keep = rows_s >= step
+        b, t = rows_b[keep], rows_s[keep] - step  # step i's logits sit at (b, s - i) for label rows s >= i
+        target = t + 2 + step
+        inside = target < torch.tensor(lengths)[b]
+        proposed = draft.draft_to_target(logits.argmax(-1))
+        matched[b[inside], t[inside], step] = proposed[inside] == ids[b[inside], target[inside]]
+    counts = matched.to(torch.int32).cumprod(dim=-1).sum(dim=-1)  # leading matches
+    return [counts[b, : lengths[b]].tolist() for b in range(len(indices))]
 
-    def run(inputs: torch.Tensor, ids: torch.Tensor, keep: list[int], rows_in: list[int], from_target: bool):
-        """One draft forward; inputs [len(rows_in), T, .] and ids [len(rows_in), T] for rows `rows_in`,
-        each keeping `keep[i]` positions -> (the target id its last kept position proposes, that
-        position's hidden [len(rows_in), 1, d])."""
-        index = torch.tensor(rows_in)
-        x = draft.project(inputs) if from_target else inputs
-        full = x.new_zeros(rows, *x.shape[1:])
-        full[index] = x
-        full_ids = ids.new_zeros(rows, ids.shape[1])
-        full_ids[index] = ids
-        last = torch.tensor(keep) - 1
-        logits, out = draft.forward(full, full_ids, ragged, logits_at=(index, last))
-        ragged.lengths[index] += torch.tensor(keep)
-        picked = logits.argmax(-1)
-        return draft.draft_to_target(picked).tolist(), out[index, last][:, None]
 
-    # Prefill: the pairs (h_t, x_{t+1}) of every prompt position, the last one's x the first new token.
-    emitted, feature_rows, pair_rows = [], [], []
-    for b, target in enumerate(targets):
-        greedy, features = target.forward(torch.tensor([records[b]["prompt_ids"]]))
-        emitted.append([int(greedy[0, -1])])
-        feature_rows.append(features[0])
-        pair_rows.append(torch.tensor(records[b]["prompt_ids"][1:] + [emitted[b][0]]))
-    width = max(prompt_len)
-    features = torch.zeros(rows, width, feature_rows[0].shape[-1], dtype=weight.dtype)
-    pairs = torch.zeros(rows, width, dtype=torch.long)
-    for b in range(rows):
-        features[b, : prompt_len[b]], pairs[b, : prompt_len[b]] = feature_rows[b], pair_rows[b]
-    proposal, hidden = run(features, pairs, prompt_len, list(range(rows)), True)
-    accepted: list[list[int]] = [[] for _ in range(rows)]
-    active = [b for b in range(rows) if len(emitted[b]) < budget[b] and emitted[b][-1] != eos[b]]
-    while active:
-        seq_len = {b: prompt_len[b] + len(emitted[b]) for b in active}
-        round_k = {b: min(k, budget[b] - len(emitted[b]) - 1) for b in active}
-        proposals = {b: [proposal[b]] if round_k[b] > 0 else [] for b in active}
-        for step in range(1, max(round_k.values(), default=0)):
-            going = [b for b in active if round_k[b] > step]
-            ids = torch.tensor([[proposals[b][-1]] for b in going])
-            next_ids, next_hidden = run(hidden[going], ids, [1] * len(going), going, False)
-            for b, token, h in zip(going, next_ids, next_hidden):
-                proposals[b].append(token)
-                hidden[b] = h
-        extend = []
-        for b in active:
-            greedy, verified = targets[b].forward(torch.tensor([[emitted[b][-1], *proposals[b]]]))
-            greedy_list = greedy[0].tolist()
-            n = 0
-            while n < len(proposals[b]) and proposals[b][n] == greedy_list[n]:
-                n += 1
-            new_tokens = proposals[b][:n] + [greedy_list[n]]
-            if eos[b] is not None and eos[b] in new_tokens:
-                new_tokens = new_tokens[: new_tokens.index(eos[b]) + 1]
-            emitted[b].extend(new_tokens)
-            accepted[b].append(len(new_tokens) - 1)
-            targets[b].crop(seq_len[b] + n)
-            if len(emitted[b]) < budget[b] and emitted[b][-1] != eos[b]:
-                ragged.lengths[b] = seq_len[b] - 1
-                extend.append((b, new_tokens, verified[0, : len(new_tokens)]))
-        if extend:
-            width = max(len(tokens) for _, tokens, _ in extend)
-            features = torch.zeros(len(extend), width, extend[0][2].shape[-1], dtype=weight.dtype)
-            pairs = torch.zeros(len(extend), width, dtype=torch.long)
-            for i, (_, tokens, verified) in enumerate(extend):
-                features[i, : len(tokens)], pairs[i, : len(tokens)] = verified, torch.tensor(tokens)
-            going = [b for b, _, _ in extend]
-            next_ids, next_hidden = run(features, pairs, [len(tokens) for _, tokens, _ in extend], going, True)
-            for b, token, h in zip(going, next_ids, next_hidden):
-                proposal[b] = token
-                hidden[b] = h
-        active = [b for b, _, _ in extend]
-    return [SpecResult(tokens=torch.tensor(emitted[b]), accepted_lengths=accepted[b], k=k, draft_time_s=0.0,
-                       target_time_s=0.0, draft_backend="torch batched replay", draft_calls={}) for b in range(rows)]
+def _rounds(matches: list[int], record: dict, k: int) -> list[int]:
+    """Accepted lengths of greedy chain decoding at k along a continuation with match lengths
+    `matches` (index t: the chain from pair t), as `speculative.speculative_loop` runs it: a round
+    proposes min(k, budget - emitted - 1) tokens and ends at the stop token."""
+    response = record["response_ids"]
+    budget = len(response)
+    if record.get("stop") == "eos":
+        budget = response.index(response[-1]) + 1  # the first stop token ends it
+    emitted, t, accepted = 1, len(record["prompt_ids"]) - 1, []
+    while emitted < budget:
+        n = min(matches[t], k, budget - emitted - 1)
+        accepted.append(n)
+        emitted += n + 1
+        t += n + 1
+    return accepted

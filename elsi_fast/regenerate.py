@@ -97,12 +97,8 @@ def regenerate(
         raise ValueError("prompts: their ids repeat; each prompt needs its own id to be resumable")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # Greedy answers do not depend on how prompts are batched, so a rerun may batch differently;
-    # sampled ones do (the seeds go by batch).
-    settings = {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-                "batch_size": batch_size if temperature > 0 else None,
-                "temperature": float(temperature), "seed": seed, "target": _target_identity(target, tokenizer),
-                "prompts": hashlib.sha256(json.dumps([[i, p.text] for i, p in zip(ids, prompts)]).encode()).hexdigest()}
+    settings = _settings(target, tokenizer, prompts, ids, max_new_tokens, max_prompt_tokens, batch_size,
+                         temperature, seed)
     settings_path = out / SETTINGS_FILE
     if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
         raise ValueError(f"out: {out} holds conversations regenerated with other settings, prompts or target; "
@@ -127,12 +123,7 @@ def regenerate(
     target.eval()
 
     def write(sink, i: int, response: list[int]) -> None:
-        ended = bool(response) and response[-1] in stop
-        sink.write(json.dumps({
-            "id": ids[i], "category": prompts[i].category, "prompt": prompts[i].text,
-            "response": tokenizer.decode(response[:-1] if ended else response),
-            "prompt_ids": encoded[i], "response_ids": response, "stop": "eos" if ended else "length",
-        }) + "\n")
+        sink.write(json.dumps(_record(ids[i], prompts[i], encoded[i], response, stop, tokenizer)) + "\n")
 
     with DeferredInterrupt("the conversations") as interrupt, open(conversations, "a") as sink:
         if temperature > 0:
@@ -182,6 +173,61 @@ def regenerate(
     return {"prompts": len(prompts), "answered_now": answered, "new_tokens": generated,
             "seconds": seconds, "new_tokens_per_s": generated / seconds if seconds else 0.0,
             "path": str(conversations)}
+
+
+def _settings(target, tokenizer, prompts: Sequence[Prompt], ids: list[str], max_new_tokens: int,
+              max_prompt_tokens: int, batch_size: int, temperature: float, seed: int) -> dict[str, Any]:
+    """What decides the answers (kept in regenerate.json). Greedy answers do not depend on how the
+    prompts are batched, so a rerun may batch differently; sampled ones do (the seeds go by batch)."""
+    return {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+            "batch_size": batch_size if temperature > 0 else None,
+            "temperature": float(temperature), "seed": seed, "target": _target_identity(target, tokenizer),
+            "prompts": hashlib.sha256(json.dumps([[i, p.text] for i, p in zip(ids, prompts)]).encode()).hexdigest()}
+
+
+def _record(prompt_id: str, prompt: Prompt, encoded: list[int], response: list[int], stop: list[int],
+            tokenizer) -> dict[str, Any]:
+    ended = bool(response) and response[-1] in stop
+    return {"id": prompt_id, "category": prompt.category, "prompt": prompt.text,
+            "response": tokenizer.decode(response[:-1] if ended else response),
+            "prompt_ids": encoded, "response_ids": response, "stop": "eos" if ended else "length"}
+
+
+ANSWER_FIELDS = ("id", "response_ids", "stop")
+
+
+def export_answers(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """The answers of a `regenerate` folder without the prompts: {"settings": regenerate.json,
+    "answers": [{"id", "response_ids", "stop"}, ...]}, a few bytes per token, to keep or share
+    where the prompts themselves are not copied (`restore_answers` rebuilds the folder)."""
+    out = Path(out_dir)
+    return {"settings": json.loads((out / SETTINGS_FILE).read_text()),
+            "answers": [{field: r[field] for field in ANSWER_FIELDS} for r in read_conversations(out / CONVERSATIONS_FILE)]}
+
+
+def restore_answers(target, tokenizer, prompts: Sequence[Prompt], out_dir: str | os.PathLike, exported: dict[str, Any],
+                    *, max_new_tokens: int = 256, max_prompt_tokens: int = 1024, batch_size: int = 16,
+                    temperature: float = 0.0, seed: int = 0) -> int:
+    """Rebuild the `regenerate` folder `out_dir` from `export_answers` output and the prompts it was
+    made from; returns how many answers it wrote. The exported settings must equal the ones these
+    arguments, prompts and target give (so `regenerate` with them continues the folder), or
+    nothing is written; answers to prompts not given are left out."""
+    ids = [str(p.id if p.id is not None else i) for i, p in enumerate(prompts)]
+    settings = _settings(target, tokenizer, prompts, ids, max_new_tokens, max_prompt_tokens, batch_size,
+                         temperature, seed)
+    if exported.get("settings") != settings:
+        raise ValueError("exported: those answers were regenerated with other settings, prompts or target")
+    out = Path(out_dir)
+    if (out / CONVERSATIONS_FILE).is_file():
+        raise ValueError(f"out_dir: {out} already holds conversations; restore into an empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    by_id = {p_id: (p, encode_prompt(p, tokenizer)[-max_prompt_tokens:]) for p_id, p in zip(ids, prompts)}
+    stop = _stop_ids(target, tokenizer)
+    records = [_record(a["id"], *by_id[a["id"]], list(a["response_ids"]), stop, tokenizer)
+               for a in exported["answers"] if a["id"] in by_id]
+    (out / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
+    return len(records)
 
 
 # A greedy batch stops when this share of its answers is finished (the rest continue later).

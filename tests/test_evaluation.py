@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -96,12 +97,29 @@ def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend):
         evaluation.replay_runs(draft, records[:-1], cache)
 
 
-def test_batched_replay_equals_the_one_prompt_replay(replay_setup):
+def test_chain_replay_at_every_k_equals_the_one_prompt_replay(replay_setup):
+    """One whole-sequence training-time-test pass gives every k's rounds: the same accepted lengths
+    as the one-prompt replay (itself equal to live decoding, above), prompt by prompt."""
     draft, records, cache = replay_setup
-    for k in (1, 2, 4):
-        one = evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch")
-        for batch_size in (1, 4):
-            batched = evaluation.replay_runs(draft, records, cache, k=k, batch_size=batch_size)
-            assert {c: [r.accepted_lengths for r in rs] for c, rs in batched.items()} == \
-                {c: [r.accepted_lengths for r in rs] for c, rs in one.items()}, (k, batch_size)
-            assert evaluation.pooled_tau(batched) == evaluation.pooled_tau(one)
+    ks = (1, 2, 4, 5)
+    one = {k: evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch") for k in ks}
+    assert any(max(r.accepted_lengths, default=0) >= 2 for rs in one[4].values() for r in rs)  # chains do match
+    for batch_size in (1, 4):
+        every_k = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=batch_size)
+        for k in ks:
+            assert {c: [r.accepted_lengths for r in rs] for c, rs in every_k[k].items()} == \
+                {c: [r.accepted_lengths for r in rs] for c, rs in one[k].items()}, (k, batch_size)
+            assert evaluation.pooled_tau(every_k[k]) == evaluation.pooled_tau(one[k])
+            for category, results in every_k[k].items():
+                expected = [r["response_ids"] for r in records if r["category"] == category]
+                assert [r.tokens.tolist() for r in results] == expected
+    some = evaluation.replay_runs(draft, records, cache, k=2, batch_size=3, only=[0, 3, 5])
+    assert sum(len(rs) for rs in some.values()) == 3
+    with pytest.raises(ValueError, match="ks"):
+        evaluation.replay_runs_per_k(draft, records, cache, ())
+    windowed = copy.deepcopy(draft)
+    windowed.config.sliding_window = 8  # its window moves with each chain step: no whole-sequence replay
+    with pytest.raises(ValueError, match="draft: its sliding window"):
+        evaluation.replay_runs_per_k(windowed, records, cache)
+    with pytest.raises(ValueError, match="cache: .* other continuations"):
+        evaluation.replay_runs_per_k(draft, records[:-1], cache)

@@ -3,6 +3,7 @@ decoding, exact token ids kept, resumable after Ctrl-C, other settings refused."
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -107,3 +108,22 @@ def test_answers_carried_over_from_a_batch_stopped_early_are_exact(tmp_path, mon
     assert any(b < 14 for budgets in calls for b in budgets)  # some answer was carried over
     for record in regen.read_conversations(tmp_path / regen.CONVERSATIONS_FILE):
         assert record["response_ids"] == _greedy_alone(PROMPTS[int(record["id"][1:])], 14), record["id"]
+
+
+def test_exported_answers_restore_the_folder_without_the_prompts(tmp_path):
+    """export_answers keeps ids and token ids only; restore_answers with the same prompts and settings
+    rebuilds conversations equal to the original, and regenerate then has nothing left to do."""
+    regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "a", max_new_tokens=5, batch_size=3, progress=False)
+    exported = regen.export_answers(tmp_path / "a")
+    assert all(set(a) == set(regen.ANSWER_FIELDS) for a in exported["answers"])
+    assert not any(p.text in json.dumps(exported) for p in PROMPTS)
+    assert regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", exported, max_new_tokens=5) == len(PROMPTS)
+    original = regen.read_conversations(tmp_path / "a" / regen.CONVERSATIONS_FILE)
+    assert sorted(regen.read_conversations(tmp_path / "b" / regen.CONVERSATIONS_FILE), key=lambda r: r["id"]) == \
+        sorted(original, key=lambda r: r["id"])
+    again = regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", max_new_tokens=5, batch_size=2, progress=False)
+    assert again["answered_now"] == 0
+    with pytest.raises(ValueError, match="exported: .*other settings"):
+        regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "c", exported, max_new_tokens=6)
+    with pytest.raises(ValueError, match="out_dir: .*already holds"):
+        regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", exported, max_new_tokens=5)

@@ -475,13 +475,13 @@ def export_draft(draft, name: str, dtype: str, target: Path, work: Path) -> Path
 
 
 def measure(args: argparse.Namespace) -> None:
-    """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file, k = 1..5: mean acceptance
+    """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file at each k of --ks: mean acceptance
     length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
     without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
     sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, record
     from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.evaluation import pooled_tau, replay_runs
+    from elsi_fast.evaluation import pooled_tau, replay_runs_per_k
     from elsi_fast.feature_cache import open_cache
     from elsi_fast.regenerate import read_conversations
 
@@ -516,11 +516,12 @@ def measure(args: argparse.Namespace) -> None:
     for draft_dir in args.drafts:
         draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
         gguf = export_draft(draft, Path(draft_dir).name, args.draft_dtype, target, work)
-        for k in range(1, 6):
+        replayed = replay_runs_per_k(draft, records, cache, args.ks, only=chosen)
+        for k in args.ks:
             runs = [speculative_simple(target, p, ["-md", str(gguf), "--spec-type", "draft-eagle3",
                                                    "--spec-draft-n-max", str(k)], args.n_predict, args.threads)[1]
                     for p in prompts]
-            ours = pooled_tau(replay_runs(draft, records, cache, k=k, batch_size=len(chosen), only=chosen))["all"]
+            ours = pooled_tau(replayed[k])["all"]
             theirs = _pooled(runs)
             speed = statistics.median(r["decode_tokens_per_s"] for r in runs)
             record(RESULTS_FILE, "llamacpp_spec_decoding", f"decode_tokens_per_s/draft-eagle3/k={k}", speed, "tokens/s",
@@ -558,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE / "out" / "llamacpp"), help="working folder of `check`")
     p.add_argument("--threads", type=int, default=1,
                    help="llama.cpp threads (1 on a shared machine: a descheduled thread stalls a 2-thread team)")
-    p.add_argument("-k", type=int, default=3, help="draft tokens per round (--spec-draft-n-max)")
+    p.add_argument("-k", type=int, default=3, help="`check`: draft tokens per round (--spec-draft-n-max)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="`measure`: the k of each draft's runs")
     p.add_argument("--n-predict", type=int, default=128)
     args = p.parse_args(argv)
     try:

@@ -153,37 +153,6 @@ class DraftKVCache:
         return self.key[:, :, :end], self.value[:, :, :end]
 
 
-class RaggedKVCache:
-    """Keys and values `[batch, num_kv_heads, max_len, head_dim]` where every row has its own
-    `lengths[b]`: many sequences decoded side by side, each at its own position (the batched tau
-    replay). A forward over T new positions writes row b's at lengths[b] .. lengths[b] + T - 1 (the
-    tail of a row that needs fewer is written but never attended) and the caller then advances each
-    row by the positions it keeps; `lengths` may also be set back (rollback)."""
-
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.key = torch.zeros(shape, device=device, dtype=dtype)
-        self.value = torch.zeros(shape, device=device, dtype=dtype)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    @property
-    def max_len(self) -> int:
-        return self.key.shape[2]
-
-    def write(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Write `[B, n_kv, T, hd]` at each row's positions; return the whole cache."""
-        new = key.shape[2]
-        if int(self.lengths.max()) + new > self.max_len:
-            raise ValueError(f"RaggedKVCache overflow: a row at {int(self.lengths.max())} + {new} new positions exceeds "
-                             f"max_len={self.max_len}")
-        index = (self.lengths[:, None] + torch.arange(new, device=key.device))[:, None, :, None]
-        index = index.expand(-1, key.shape[1], -1, key.shape[3])
-        self.key.scatter_(2, index, key)
-        self.value.scatter_(2, index, value)
-        return self.key, self.value
-
-
 def rope_inv_freq(config: Eagle3Config) -> Tensor:
     """Inverse RoPE frequencies `[head_dim // 2]` in float64 (with Llama-3.1 scaling if configured)."""
     hd = config.head_dim
@@ -348,9 +317,8 @@ class Eagle3Draft(nn.Module):
             aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, states)], dim=-1)
         return self.fc(aux_hidden)
 
-    def forward(self, hidden: Tensor, input_ids: Tensor, cache: "DraftKVCache | RaggedKVCache | None" = None,
-                position_ids: Tensor | None = None,
-                logits_at: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, input_ids: Tensor, cache: DraftKVCache | None = None,
+                position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One draft layer over T new pairs.
 
         hidden [B, T, d]: fc output or a previous step's `hidden_out`; input_ids [B, T]: the token
@@ -358,16 +326,11 @@ class Eagle3Draft(nn.Module):
         `cache`, then appends to it. Positions default to `cache.length + arange(T)` (0.. without a
         cache); `position_ids` [T] or [B, T] overrides the RoPE positions only (the mask is always
         causal by cache index). Returns (logits [B, T, draft_vocab], hidden_out [B, T, d]: the next
-        step's `h`, pre-norm unless `config.norm_feedback`). With a `RaggedKVCache` row b's new
-        positions are lengths[b] + arange(T) (the caller advances `lengths`). logits_at: an index
-        pair (rows, positions) into [B, T]: the logits only there, [n, draft_vocab] (the head is most
-        of a batched step's work when only some rows' last positions propose a token).
+        step's `h`, pre-norm unless `config.norm_feedback`).
         """
         self._check_float(hidden, "hidden", self.config.hidden_size, "hidden_size")
         self._check_ids(input_ids, hidden, "input_ids")
         t = hidden.shape[1]
-        if isinstance(cache, RaggedKVCache):
-            return self._head(self._layer(hidden, input_ids, *self._ragged(cache, t, hidden.device)), logits_at)
         past = 0 if cache is None else cache.length
         if cache is not None:
             self._check_cache(cache, hidden)
@@ -382,21 +345,7 @@ class Eagle3Draft(nn.Module):
                 k, v = cache.append(k, v)
             return _attend(q, k, v, _allowed_mask(t, past, self.config.sliding_window, q.device))
 
-        return self._head(self._layer(hidden, input_ids, position_ids, attend), logits_at)
-
-    def _ragged(self, cache: RaggedKVCache, t: int, device: torch.device):
-        """(positions [B, T], attend) for T new positions of every row of a `RaggedKVCache`."""
-        positions = cache.lengths[:, None] + torch.arange(t, device=device)
-        slots = torch.arange(cache.max_len, device=device)
-        allowed = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        if self.config.sliding_window is not None:
-            allowed &= slots[None, None, :] > positions[:, :, None] - self.config.sliding_window
-
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            keys, values = cache.write(k, v)
-            return _attend(q, keys, values, allowed[:, None, None])
-
-        return positions, attend
+        return self._head(self._layer(hidden, input_ids, position_ids, attend))
 
     def extend(self, aux_hidden: Tensor, input_ids: Tensor,
                cache: DraftKVCache | None = None) -> tuple[Tensor, Tensor]:

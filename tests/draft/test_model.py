@@ -289,18 +289,6 @@ def test_ttt_forward_with_label_rows_gives_the_full_logits_at_those_rows(name):
         draft.ttt_forward(aux, ids, num_steps=2, label_rows=rows[:, :5])
 
 
-def test_forward_logits_at_gives_the_full_logits_there():
-    cfg = make_config(m=2)
-    draft, _ = make_draft(cfg)
-    aux, ids = random_inputs(cfg, 3, 5)
-    hidden = draft.project(aux)
-    logits, out = draft.forward(hidden, ids)
-    rows, positions = torch.tensor([2, 0, 2]), torch.tensor([4, 1, 0])
-    some, same_out = draft.forward(hidden, ids, logits_at=(rows, positions))
-    torch.testing.assert_close(some, logits[rows, positions], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(same_out, out, rtol=0, atol=0)
-
-
 def test_ttt_step_equals_inference_chain_with_rollback():
     """Step i at position t of the training-time test is what inference computes: extend pairs
     0..t with target features, then i draft steps feeding back hidden_out with the true next
