@@ -302,7 +302,7 @@ def _plots(by_set: dict, sets: dict, categories: list[str], images: Path, model:
         stats = [_interval([r["tau"]["4"]["pooled"][c] for r in by_set[name].values()]) for c in ["all", *categories]]
         ax.bar([x + i * width for x in range(len(stats))], [m for m, _ in stats], width,
                yerr=[0 if h != h else h for _, h in stats], label=f"{name} {sets[name]}", capsize=2)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(1 + len(categories))], ["all", *categories], fontsize=8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(1 + len(categories))], ["all", *categories], fontsize=8, rotation=35, ha="right")
     ax.set_ylabel("tau at k=4 (mean ± 95% CI over seeds)", fontsize=8)
     lows = [min(r["tau"]["4"]["pooled"][c] for r in runs.values() for c in ["all", *categories]) for runs in by_set.values()]
     ax.set_ylim(max(1.0, min(lows) - 0.2), None)

@@ -92,7 +92,7 @@ def regenerate(
         raise ValueError(f"temperature: expected a number >= 0 (0: greedy), got {temperature!r}")
     if not prompts:
         raise ValueError("prompts: no prompts given")
-    ids = [str(p.id if p.id is not None else i) for i, p in enumerate(prompts)]
+    ids = _prompt_ids(prompts)
     if len(set(ids)) != len(ids):
         raise ValueError("prompts: their ids repeat; each prompt needs its own id to be resumable")
     out = Path(out_dir)
@@ -175,6 +175,11 @@ def regenerate(
             "path": str(conversations)}
 
 
+def _prompt_ids(prompts: Sequence[Prompt]) -> list[str]:
+    """Each prompt's id in the conversations file (its position where it has none)."""
+    return [str(p.id if p.id is not None else i) for i, p in enumerate(prompts)]
+
+
 def _settings(target, tokenizer, prompts: Sequence[Prompt], ids: list[str], max_new_tokens: int,
               max_prompt_tokens: int, batch_size: int, temperature: float, seed: int) -> dict[str, Any]:
     """What decides the answers (kept in regenerate.json). Greedy answers do not depend on how the
@@ -212,7 +217,7 @@ def restore_answers(target, tokenizer, prompts: Sequence[Prompt], out_dir: str |
     made from; returns how many answers it wrote. The exported settings must equal the ones these
     arguments, prompts and target give (so `regenerate` with them continues the folder), or
     nothing is written; answers to prompts not given are left out."""
-    ids = [str(p.id if p.id is not None else i) for i, p in enumerate(prompts)]
+    ids = _prompt_ids(prompts)
     settings = _settings(target, tokenizer, prompts, ids, max_new_tokens, max_prompt_tokens, batch_size,
                          temperature, seed)
     if exported.get("settings") != settings:
