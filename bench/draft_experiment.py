@@ -18,6 +18,9 @@ cache:     the target's states on both, for the union of every set's layers (bfl
 recipe:    what buys tau per CPU-hour, on ELSI m=1 (seed 0): init random / target, draft vocabulary
            2048 / 8192, training-time test 3 / 7, and a data-scaling curve (training tokens).
 claims:    every layer set x seeds at the chosen recipe; tau at k = 1..5 replayed exactly.
+heldout:   the seed-0 claims drafts replayed on HELD_OUT of their own training conversations per
+           category, on as many unseen training instructions, and beside their Spec-Bench tau: what
+           memorizing, the budget and the shift to the evaluation prompts each cost.
 Rows: bench/results/draft_experiment_cpu.jsonl (one per trained draft and k).
 """
 
@@ -74,13 +77,7 @@ def sets_of(report: LayerReport, model: str) -> dict[str, list[int]]:
 def training_subset(prompts, tokenizer) -> list:
     """PER_CATEGORY prompts of every category of the training instructions, the shortest first (a
     balanced set that the regenerated data of any session so far covers first)."""
-    from elsi_fast.prompts import encode_prompt
-
-    by_category: dict[str, list] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    chosen = {p.id for group in by_category.values()
-              for p in sorted(group, key=lambda p: (len(encode_prompt(p, tokenizer)), p.id))[:PER_CATEGORY]}
+    chosen = {p.id for p in _first_per_category(prompts, PER_CATEGORY, tokenizer)}
     return [p for p in prompts if p.id in chosen]
 
 
@@ -186,12 +183,18 @@ def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[in
     return json.loads(done.read_text())  # the same (string) keys whether computed now or read
 
 
-def stage_recipe(model, tokenizer, out: Path, keep: Path, sets: dict) -> None:
+# The recipe stage's cells on ELSI m=1, seed 0: a same-code rerun of the base cell (reproducibility),
+# the data-scaling curve (the base cell is its 120-step point), then the recipe's other knobs.
+RECIPE_VARIANTS = {"base": {}, "rerun": {}, "steps30": {"steps": 30, "warmup": 3},
+                   "steps60": {"steps": 60, "warmup": 6}, "steps240": {"steps": 240, "warmup": 24},
+                   "ttt7": {"ttt_steps": 7}, "vocab2048": {"draft_vocab_size": 2048},
+                   "random-init": {"init": "random"}}
+
+
+def stage_recipe(model, tokenizer, out: Path, keep: Path, sets: dict, tags: list[str]) -> None:
     layers = sets["elsi-m1"]
-    variants = {"base": {}, "random-init": {"init": "random"}, "vocab2048": {"draft_vocab_size": 2048},
-                "ttt7": {"ttt_steps": 7}, "steps30": {"steps": 30, "warmup": 3}, "steps60": {"steps": 60, "warmup": 6},
-                "steps240": {"steps": 240, "warmup": 24}}
-    for tag, change in variants.items():
+    for tag in tags:
+        change = RECIPE_VARIANTS[tag]
         # the base recipe's cell is the claims' ELSI m=1 seed-0 cell
         result = run_cell(model, tokenizer, out, keep, "elsi-m1", layers, 0, {**RECIPE, **change},
                           "claims" if tag == "base" else f"recipe-{tag}")
@@ -204,6 +207,57 @@ def stage_claims(model, tokenizer, out: Path, keep: Path, sets: dict, seeds: lis
         for name, layers in sets.items():
             result = run_cell(model, tokenizer, out, keep, name, layers, seed, RECIPE, "claims")
             print(f"{name:<16} seed {seed}: tau(k=4) {result['tau']['4']['pooled']['all']:.3f}")
+
+
+HELD_OUT = 12  # conversations per category of each of the heldout stage's two replay sets
+
+
+def stage_heldout(model, tokenizer, out: Path, keep: Path, sets: dict) -> dict:
+    """tau(k=4) of every seed-0 claims draft on HELD_OUT of its own training conversations per
+    category (held in), on as many training instructions it never saw (held out: the next shortest
+    of each category, answered by the target the same way), and on Spec-Bench."""
+    from elsi_fast.draft import Eagle3Draft
+
+    path = keep / "heldout.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
+    seen = {p.id for p in training_subset(train, tokenizer)}
+    unseen = [p for p in train if p.id not in seen]
+    _regenerate_kept(model, tokenizer, _first_per_category(unseen, HELD_OUT, tokenizer), out / "heldout", keep,
+                     max_new_tokens=128, batch_size=48)
+    layers = sorted({l for layers in sets.values() for l in layers})
+    replays = {}
+    for part, records in (("heldin", _first_per_category(_records(out, TRAIN), HELD_OUT)),
+                          ("heldout", _records(out, "heldout"))):
+        replays[part] = records, build(model, continuation_samples(records), layers, out / f"cache-{part}",
+                                       dtype="bfloat16")
+    embed = model.get_input_embeddings().weight.detach()
+    for name in sets:
+        cell = out / "cells" / f"{name}-seed0-claims"
+        kept = keep / "cells" / f"{cell.name}.json"
+        if name in done or not kept.is_file():
+            continue
+        draft = Eagle3Draft.from_pretrained(cell, embed_tokens=embed)
+        done[name] = {"layers": sets[name], "prompts": {part: len(records) for part, (records, _) in replays.items()},
+                      "specbench_tau": json.loads(kept.read_text())["tau"]["4"]["pooled"]}
+        for part, (records, cache) in replays.items():
+            done[name][f"{part}_tau"] = pooled_tau(replay_runs_per_k(draft, records, cache, (4,), batch_size=16)[4])
+        path.write_text(json.dumps(done, indent=1))
+        print(f"{name:<16} tau(k=4) held in {done[name]['heldin_tau']['all']:.3f}, held out "
+              f"{done[name]['heldout_tau']['all']:.3f}, Spec-Bench {done[name]['specbench_tau']['all']:.3f}")
+    return done
+
+
+def _first_per_category(items: list, n: int, tokenizer=None) -> list:
+    """The first `n` items of every category (prompts: the shortest first, when `tokenizer` is given)."""
+    from elsi_fast.prompts import encode_prompt
+
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item["category"] if isinstance(item, dict) else item.category, []).append(item)
+    if tokenizer is not None:
+        groups = {c: sorted(g, key=lambda p: (len(encode_prompt(p, tokenizer)), p.id)) for c, g in groups.items()}
+    return [item for group in groups.values() for item in group[:n]]
 
 
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -283,9 +337,51 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
             lines.append(f"| {c['tag']} | {r['init']} | {r['draft_vocab_size']} | {r['ttt_steps']} | {r['steps']} | "
                          f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
                          f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
+    base, rerun = by_set.get("elsi-m1", {}).get(0), next((c for c in cells if c["tag"] == "recipe-rerun"), None)
+    if base and rerun:
+        gaps = [abs(a - b) for k in KS for cat in base["tau"][str(k)]["per_prompt"]
+                for a, b in zip(base["tau"][str(k)]["per_prompt"][cat], rerun["tau"][str(k)]["per_prompt"][cat])]
+        lines += ["", f"Reproducibility: the ELSI m=1 seed-0 cell retrained and replayed with the same code gives "
+                  f"tau(k=4) {rerun['tau']['4']['pooled']['all']:.4f} (kept cell {base['tau']['4']['pooled']['all']:.4f}); "
+                  f"final loss {rerun['final_loss']:.4f} vs {base['final_loss']:.4f}; the largest per-prompt tau "
+                  f"difference over k = 1..5 is {max(gaps):.4f}."]
+    if (keep / "heldout.json").is_file():
+        heldout = json.loads((keep / "heldout.json").read_text())
+        counts = next(iter(heldout.values()))["prompts"]
+        lines += ["", f"held in ({counts['heldin']} training conversations), held out ({counts['heldout']} unseen "
+                  "training instructions) and Spec-Bench (480), seed-0 claims drafts, tau at k=4:", "",
+                  "| set | layers | held in | held out | Spec-Bench |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {h['layers']} | {h['heldin_tau']['all']:.3f} | {h['heldout_tau']['all']:.3f} | "
+                  f"{h['specbench_tau']['all']:.3f} |" for name, h in heldout.items()]
+    scaling = sorted((c for c in recipe if c["tag"] in ("claims", *(f"recipe-{t}" for t in RECIPE_VARIANTS if t.startswith("steps")))),
+                     key=lambda c: c["train_tokens"])
     if images is not None and claims:
         _plots(by_set, sets, categories, images, keep.name)
+    if images is not None and len(scaling) > 1:
+        _scaling_plot(scaling, images, keep.name)
     return "\n".join(lines)
+
+
+def _scaling_plot(cells: list[dict], images: Path, model: str) -> None:
+    """tau at k = 1..5 against the training tokens seen (the data-scaling curve of the recipe)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 3.4), dpi=90)
+    tokens = [c["train_tokens"] for c in cells]
+    for k in KS:
+        ax.plot(tokens, [c["tau"][str(k)]["pooled"]["all"] for c in cells], "o-", label=f"k={k}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training loss tokens (ELSI m=1, seed 0)")
+    ax.set_ylabel("tau (all 480 prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title(f"{model}: tau against training data", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(images / f"{model.split('-')[0]}_tau_vs_tokens.png")
+    plt.close(fig)
 
 
 def _plots(by_set: dict, sets: dict, categories: list[str], images: Path, model: str) -> None:
@@ -332,6 +428,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sets", nargs="+", default=None,
                         help="claims: only these layer sets, in this order (default: all, in the claims' order)")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_VARIANTS), choices=list(RECIPE_VARIANTS),
+                        help="recipe stage: which cells, in this order (default all)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=Path, default=RUNS, help="working state: data, caches, drafts")
     parser.add_argument("--keep", type=Path, default=None,
@@ -368,7 +466,9 @@ def main() -> None:
     if "cache" in args.stages:
         stage_cache(model, tokenizer, out, sorted({l for layers in sets.values() for l in layers}))
     if "recipe" in args.stages:
-        stage_recipe(model, tokenizer, out, keep, sets)
+        stage_recipe(model, tokenizer, out, keep, sets, args.recipes)
+    if "heldout" in args.stages:
+        stage_heldout(model, tokenizer, out, keep, sets)
     if "claims" in args.stages:
         stage_claims(model, tokenizer, out, keep, {name: sets[name] for name in args.sets} if args.sets else sets,
                      args.seeds)
