@@ -70,9 +70,9 @@ _M_NOTES = {
     "trtllm": "TensorRT-LLM captures the layers listed in eagle3_layers_to_capture",
 }
 LLAMACPP_LAYERS = 3  # llama.cpp's eagle3 draft takes exactly this many target states
-_LLAMACPP_SERVE = ("convert with Eagle3Draft.save_pretrained('draft.gguf', format='gguf', target='target.gguf') and "
-                   "serve with llama-speculative-simple -m target.gguf -md draft.gguf --spec-type draft-eagle3 "
-                   "--spec-draft-n-max K (llama-server takes the same flags)")
+_LLAMACPP_SERVE = ("serve a trained draft with `elsi-fast serve --draft DRAFT --engine llama.cpp --target target.gguf` "
+                   "(it writes the draft GGUF and starts llama-server -m target.gguf -md draft.gguf --spec-type "
+                   "draft-eagle3 --spec-draft-n-max K)")
 
 
 def _check_engine(engine: str) -> str:

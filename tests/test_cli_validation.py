@@ -133,11 +133,13 @@ def test_help_and_argument_errors_import_no_heavy_module(tiny, tmp_path):
         ["train-draft", "--target", tiny["target"], "--report", missing, "--data", tiny["data"], "--out", "x"],
         ["eval-draft", "--target", "./nope", "--draft", "d", "--prompts", tiny["prompts"]],
         ["analyze", "--model", "smollm2-135m-instruct", "--prompts", tiny["prompts"], "--out", "x", "--m", "30"],
+        ["serve", "--help"],
+        ["serve", "--draft", str(tmp_path), "--engine", "vllm", "--target", tiny["target"]],
     ]
     probe = _PROBE.format(cases=cases, heavy=_HEAVY)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"{[0] * 5 + [2] * 6} []"
+    assert result.stdout.splitlines()[-1] == f"{[0] * 5 + [2] * 6 + [0, 2]} []"
 
 
 def test_interrupt_saves_state_and_resume_continues(tiny, tmp_path, capsys, monkeypatch):

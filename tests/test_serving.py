@@ -121,12 +121,13 @@ def test_repeated_layers_are_not_servable():
 
 @pytest.mark.parametrize("layers", [[9], [4, 30], EAGLE3, [0, 7, 7]])
 def test_llamacpp_snippet_is_the_three_id_equivalent(layers):
-    """m <= 3 is served as exactly 3 ids, the last repeated, which llama.cpp loads; the notes say how
-    to convert and serve, and name the equivalent for m < 3."""
+    """m <= 3 is served as exactly 3 ids, the last repeated, which llama.cpp loads; the notes give the
+    command that converts and serves, and name the equivalent for m < 3."""
     want = tuple(layers + [layers[-1]] * (3 - len(layers)))
     assert llamacpp_reads(serving_config(layers, "llamacpp", N)) == want
     notes = engine_notes(layers, "llamacpp", N)
-    assert any("format='gguf'" in n and "--spec-type draft-eagle3" in n and "-md draft.gguf" in n for n in notes)
+    assert any("elsi-fast serve --draft DRAFT --engine llama.cpp" in n and "--spec-type draft-eagle3" in n
+               and "-md draft.gguf" in n for n in notes)
     assert any(n.startswith(f"m={len(layers)}") and str(list(want)) in n for n in notes) == (len(layers) < 3)
     assert not any("fewer than m" in n for n in notes)  # a repeated id is legal there
 

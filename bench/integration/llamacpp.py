@@ -42,7 +42,7 @@ VENDOR = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 # n-gram types (--spec-type ngram-simple|ngram-map-k|ngram-map-k4v|ngram-mod|ngram-cache);
 # llama-lookup(-create/-stats): the older n-gram cache lookup decoding (-lcs/-lcd cache files);
 # llama-bench: the target's plain prompt/generation tokens/s.
-TARGETS = ("llama-speculative-simple", "llama-bench", "llama-lookup", "llama-lookup-create", "llama-lookup-stats")
+TARGETS = ("llama-speculative-simple", "llama-server", "llama-bench", "llama-lookup", "llama-lookup-create", "llama-lookup-stats")
 
 CMAKE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -50,9 +50,9 @@ CMAKE_ARGS = (
     "-DGGML_CUDA=OFF",
     "-DLLAMA_OPENSSL=OFF",       # no HTTPS model downloads (this llama.cpp replaced curl by OpenSSL)
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",  # the server's web UI would be fetched at configure time
-    "-DLLAMA_BUILD_UI=OFF",
-    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",   # llama-server, which `elsi-fast serve` starts
+    "-DLLAMA_BUILD_UI=OFF",      # with both UI switches off the server embeds no web UI and
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # nothing is fetched (scripts/ui-assets.cmake)
     "-DBUILD_SHARED_LIBS=OFF",   # self-contained binaries: the cache folder can move
 )
 MARKER = "elsi-fast-build.json"

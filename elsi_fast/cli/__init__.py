@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-_SUBCOMMAND_MODULES = ("analyze", "regenerate", "draft", "demo")
+_SUBCOMMAND_MODULES = ("analyze", "regenerate", "draft", "serve", "demo")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
