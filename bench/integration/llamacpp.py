@@ -1,10 +1,12 @@
 """llama.cpp from the registry sdist of llama-cpp-python, built once into a cache; elsi-fast drafts served by it.
 
     python bench/integration/llamacpp.py source   # fetch + extract the vendored llama.cpp (no C++)
-    python bench/integration/llamacpp.py build    # configure + build the tools below (~13 min on 2 cores)
+    python bench/integration/llamacpp.py build    # configure + build the tools below (~11 min on 2 cores)
     python bench/integration/llamacpp.py check    # on SmolLM2: the states llama.cpp captures for each id,
                                                   # elsi-fast's GGUF vs llama.cpp's converter, m=1 and m=3
                                                   # drafts served by llama-speculative-simple
+    python bench/integration/llamacpp.py measure --drafts D ...  # trained drafts at k = 1..5 on Spec-Bench
+    python bench/integration/llamacpp.py verify-cost  # the target's forward of T = 1..6 tokens vs 1
 
 The sdist pins one llama.cpp commit (vendor/llama.cpp), so the converter the tests compare against and
 the binaries that serve the drafts are the same code. The build is keyed by the package version and
@@ -388,6 +390,30 @@ def plain_decode_speed(target: Path, n_predict: int, threads: int, depth: int = 
     return cmd, float(json.loads(done.stdout)[0]["avg_ts"])
 
 
+def verify_cost(args: argparse.Namespace) -> None:
+    """What a verification round costs llama.cpp: the target's forward of T = 1..6 tokens (llama-bench
+    pp tests after --depth tokens of context) against its 1-token forward. A draft at k can only win
+    where tau > t(k+1) / t(1) + the draft's own steps."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import cpu_model, record
+
+    target = smollm2_path()
+    build(args.jobs, args.sdist)
+    sizes = [1, 2, 3, 4, 5, 6]
+    cmd = [str(binary("llama-bench")), "-m", str(target), "-t", str(args.threads), "-p", ",".join(map(str, sizes)),
+           "-n", "0", "-d", str(args.depth), "-r", "5", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    ms = {int(r["n_prompt"]): 1000 * int(r["n_prompt"]) / float(r["avg_ts"]) for r in json.loads(done.stdout)}
+    device = f"{cpu_model()} ({args.threads} threads)"
+    for t in sizes:
+        record(RESULTS_FILE, "llamacpp_verify_cost", f"forward_ms/T={t}", ms[t], "ms", device=device, baseline=ms[1],
+               ratio=ms[t] / ms[1], params={"target": SMOLLM2_FILE, "depth": args.depth, "threads": args.threads,
+                                            "command": cmd, "loadavg": os.getloadavg()})
+        print(f"T={t}: {ms[t]:.1f} ms ({ms[t] / ms[1]:.2f}x the 1-token forward)", flush=True)
+
+
 def check(args: argparse.Namespace) -> None:
     """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
     sys.path.insert(0, str(ROOT))
@@ -547,7 +573,7 @@ def _lookup(target: Path, prompt: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("source", "build", "check", "measure"))
+    p.add_argument("stage", choices=("source", "build", "check", "measure", "verify-cost"))
     p.add_argument("--drafts", nargs="+", default=[], help="`measure`: draft folders (EAGLE3 format) to serve")
     p.add_argument("--experiment", default=str(ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"),
                    help="`measure`: the draft experiment's folder (its evaluation continuations and their cache)")
@@ -562,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", type=int, default=3, help="`check`: draft tokens per round (--spec-draft-n-max)")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="`measure`: the k of each draft's runs")
     p.add_argument("--n-predict", type=int, default=128)
+    p.add_argument("--depth", type=int, default=256, help="`verify-cost`: tokens of context before the timed forward")
     args = p.parse_args(argv)
     try:
         if args.stage == "source":
@@ -570,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             print(build(args.jobs, args.sdist))
         elif args.stage == "measure":
             measure(args)
+        elif args.stage == "verify-cost":
+            verify_cost(args)
         else:
             check(args)
     except (RuntimeError, FileNotFoundError) as e:

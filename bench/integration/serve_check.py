@@ -78,14 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", default=str(EXPERIMENT))
     args = p.parse_args(argv)
 
+    import torch
     from transformers import AutoTokenizer
 
+    torch.set_num_threads(args.threads)
     from bench.common import cpu_model, record
     from elsi_fast import catalog
     from elsi_fast.draft import Eagle3Draft
     from elsi_fast.evaluation import pooled_tau, replay_runs_per_k
     from elsi_fast.feature_cache import open_cache
-    from elsi_fast.loading import dequantized_folder
+    from elsi_fast.loading import dequantized_folder, load_model
     from elsi_fast.regenerate import read_conversations
 
     experiment = Path(args.experiment)
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     target = catalog.resolve("smollm2-135m-instruct")
     folder = dequantized_folder(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    embedding = load_model(str(folder), device="cpu", dtype="float32")[0].get_input_embeddings().weight.detach()
+    draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=embedding).eval()
+    ours = pooled_tau(replay_runs_per_k(draft, records, open_cache(experiment / "cache-eval"), [args.k],
+                                        only=chosen)[args.k])["all"]
 
     command = [sys.executable, "-m", "elsi_fast", "serve", "--draft", args.draft, "--engine", args.engine,
                "--target", str(target), "-k", str(args.k), "--port", str(args.port), "--threads", str(args.threads)]
@@ -148,12 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = generated - len(chosen) - accepted
                 theirs = (generated - len(chosen)) / rounds
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)
+                server.wait(timeout=60)
 
-    draft = Eagle3Draft.from_pretrained(args.draft)
-    cache = open_cache(experiment / "cache-eval")
-    ours = pooled_tau(replay_runs_per_k(draft, records, cache, [args.k], only=chosen)[args.k])["all"]
     speed = generated / seconds
     params = {"engine": args.engine, "draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
               "target": "SmolLM2-135M-Instruct" + (" Q4_1" if args.engine == "llama.cpp" else " dequantized fp32"),

