@@ -114,10 +114,17 @@ def _bad(tmp_path) -> list[tuple[list[str], str]]:
     beyond = str(draft_folder(tmp_path / "beyond", (1, 2, BLOCKS + 1)))
     other_vocab = str(draft_folder(tmp_path / "vocab300", (1, 2, 3), vocab=300))
     (tmp_path / "empty").mkdir()
+    no_ids = tmp_path / "no-ids"
+    no_ids.mkdir()
+    config = json.loads((tmp_path / "m1" / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states"):
+        config.pop(key)
+    (no_ids / "config.json").write_text(json.dumps(config))
     llama = ["--engine", "llama.cpp", "--print-command"]
     vllm = ["--engine", "vllm", "--print-command"]
     return [
         (["serve", "--draft", str(tmp_path / "empty"), "--target", target, *llama], "--draft: "),
+        (["serve", "--draft", str(no_ids), "--target", target, *llama], "names no layer ids"),
         (["serve", "--draft", m1, "--target", folder, *llama], "--target: llama.cpp serves a .gguf target"),
         (["serve", "--draft", m1, "--target", str(tmp_path / "nope.gguf"), *llama], "--target: no such file"),
         (["serve", "--draft", beyond, "--target", folder, *vllm], "--draft: layer ids [5] of [1, 2, 5] are not states vllm captures"),

@@ -21,7 +21,6 @@ import subprocess
 from pathlib import Path
 
 from . import UsageError, one_line, positive_int
-from .analyze import check_model
 
 ENGINES = ("llama.cpp", "vllm")
 GGUF_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
@@ -71,8 +70,13 @@ def check(args: argparse.Namespace) -> None:
         args.draft_config = Eagle3Config.from_dict(json.loads(config_path.read_text()))
     except (ValueError, TypeError, KeyError) as exc:
         raise UsageError(f"--draft: {config_path} is not an EAGLE3 draft config: {one_line(exc)}") from None
-    check_model(args.target, "--target")
-    source = describe_source(args.target, "--target")
+    if args.draft_config.aux_layer_ids is None:
+        raise UsageError(f"--draft: {config_path} names no layer ids (each engine would pick its own default "
+                         "three); serve a draft trained by `elsi-fast train-draft`")
+    try:
+        source = describe_source(args.target, "--target")
+    except ValueError as exc:
+        raise UsageError(one_line(exc)) from None
     if args.engine == "llama.cpp" and source.kind != "gguf":
         raise UsageError(f"--target: llama.cpp serves a .gguf target; {args.target} is a {source.kind} "
                          "(convert it with llama.cpp's convert_hf_to_gguf.py)")
