@@ -127,3 +127,85 @@ def test_exported_answers_restore_the_folder_without_the_prompts(tmp_path):
         regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "c", exported, max_new_tokens=6)
     with pytest.raises(ValueError, match="out_dir: .*already holds"):
         regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", exported, max_new_tokens=5)
+
+
+STAND_IN_VLLM = '''
+"""A stand-in for vllm's offline API (LLM.generate on token prompts), greedy through transformers."""
+import types, torch
+from transformers import AutoModelForCausalLM
+
+class SamplingParams:
+    def __init__(self, max_tokens, stop_token_ids, temperature, **sampling):
+        assert temperature == 0.0 and not sampling
+        self.max_tokens, self.stop = max_tokens, stop_token_ids
+
+class LLM:
+    def __init__(self, model, dtype, max_model_len, max_num_seqs, seed, enforce_eager):
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            ids = torch.tensor([prompt["prompt_token_ids"]])
+            with torch.inference_mode():
+                new = self.model.generate(ids, max_new_tokens=p.max_tokens, do_sample=False, eos_token_id=p.stop,
+                                          pad_token_id=p.stop[0])[0, ids.shape[1]:].tolist()
+            ended = next((j for j, t in enumerate(new) if t in p.stop), None)
+            # like vLLM for a stop id that is not EOS: the stop token is reported, not returned
+            tokens, reason = (new[:ended], new[ended]) if ended is not None else (new, None)
+            completion = types.SimpleNamespace(token_ids=tokens, finish_reason="stop" if ended is not None else "length",
+                                               stop_reason=reason)
+            outputs.append(types.SimpleNamespace(outputs=[completion]))
+        return outputs
+'''
+
+
+@pytest.fixture
+def stand_in_vllm(tmp_path, monkeypatch):
+    """A `vllm` package on the worker's PYTHONPATH and the tiny target saved as a folder."""
+    import os
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(STAND_IN_VLLM)
+    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *sys.path]))
+    TARGET.save_pretrained(tmp_path / "target")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval(), sys.executable
+
+
+def test_vllm_engine_writes_the_same_records_and_resumes(tmp_path, stand_in_vllm):
+    target, python = stand_in_vllm
+    # The tiny target never emits its EOS: make the third token of one greedy answer a stop token,
+    # so some answers end at a stop and others at the budget.
+    target.generation_config.eos_token_id = [_greedy_alone(PROMPTS[0], 6)[2]]
+    regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "hf", max_new_tokens=6, batch_size=3, progress=False)
+    summary = regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6, batch_size=2,
+                               progress=False, engine="vllm", vllm_python=python)
+    assert summary["answered_now"] == len(PROMPTS)
+    by_id = lambda folder: {r["id"]: r for r in regen.read_conversations(folder / regen.CONVERSATIONS_FILE)}
+    ours, reference = by_id(tmp_path / "vllm"), by_id(tmp_path / "hf")
+    assert ours == reference  # the stop token the engine left out is put back
+    assert any(r["stop"] == "eos" for r in ours.values()) and any(r["stop"] == "length" for r in ours.values())
+    settings = json.loads((tmp_path / "vllm" / regen.SETTINGS_FILE).read_text())
+    assert settings["engine"] == "vllm" and "engine" not in json.loads((tmp_path / "hf" / regen.SETTINGS_FILE).read_text())
+    path = tmp_path / "vllm" / regen.CONVERSATIONS_FILE
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))  # as if stopped after 4 answers
+    again = regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6, batch_size=2,
+                             progress=False, engine="vllm", vllm_python=python)
+    assert again["answered_now"] == len(PROMPTS) - 4 and by_id(tmp_path / "vllm") == reference
+    with pytest.raises(ValueError, match="other settings"):  # a folder is tied to its engine
+        regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6, progress=False)
+
+
+def test_vllm_engine_needs_the_target_folder_and_an_environment(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="engine: vLLM loads the target itself"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "a", engine="vllm", vllm_python=__import__("sys").executable,
+                         progress=False)
+    with pytest.raises(ValueError, match="vllm_python: .* is not an executable Python"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", engine="vllm", vllm_python=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="engine: expected one of transformers, vllm"):
+        regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "c", engine="sglang")

@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="only the first N prompts")
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="who generates: transformers' generate (default) or vLLM's offline engine, about 2x "
+                        "faster on a CPU with the same greedy answers (run from its own environment, --vllm-python)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="--engine vllm: the Python of the vLLM environment (default: $ELSI_FAST_VLLM_PYTHON, "
+                        "else the interpreter of `vllm` on PATH)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=handler, check=check, interrupted=interrupted)
 
@@ -44,6 +50,15 @@ def check(args: argparse.Namespace) -> None:
     check_out_folder(args.out)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature: must be a number >= 0 (0: greedy), got {args.temperature}")
+    if args.engine == "vllm":
+        from ..vllm_env import environment_python
+
+        try:
+            args.vllm_python = environment_python(args.vllm_python, "--vllm-python")
+        except ValueError as exc:
+            raise UsageError(one_line(exc)) from None
+    elif args.vllm_python is not None:
+        raise UsageError("--vllm-python: only with --engine vllm")
     try:
         args.prompt_list = load_prompts(args.prompts, max_prompts=args.max_prompts)
     except (ValueError, FileNotFoundError) as exc:
@@ -63,7 +78,8 @@ def handler(args: argparse.Namespace) -> int:
     model, tokenizer = load_target(args)
     summary = regenerate(model, tokenizer, args.prompt_list, args.out, max_new_tokens=args.max_new_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                         temperature=args.temperature, seed=args.seed, progress=not args.no_progress)
+                         temperature=args.temperature, seed=args.seed, progress=not args.no_progress,
+                         engine=args.engine, vllm_python=args.vllm_python)
     print(f"answered {summary['answered_now']} prompts now ({summary['prompts']} in all): {summary['new_tokens']} new "
           f"tokens in {summary['seconds']:.0f} s ({summary['new_tokens_per_s']:.1f} tokens/s); {summary['path']}")
     return 0

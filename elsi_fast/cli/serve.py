@@ -17,9 +17,9 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
+from ..vllm_env import VLLM_CPU_SHIM, needs_cpu_shim, script_python
 from . import UsageError, one_line, positive_int
 
 ENGINES = ("llama.cpp", "vllm")
@@ -101,36 +101,10 @@ def check(args: argparse.Namespace) -> None:
                 "install vllm (vllm-cpu on a CPU) or pass --binary PATH/vllm")
         raise UsageError(f"--binary: {name} is not an executable{' on PATH' if args.binary is None else ''}; {hint}")
     args.binary_path = found or name
-    args.vllm_python = _vllm_cpu_python(found) if args.engine == "vllm" and found else None
+    python = script_python(found) if args.engine == "vllm" and found else None
+    args.vllm_python = python if python and needs_cpu_shim(python) else None
     if args.port is None:
         args.port = DEFAULT_PORTS[args.engine]
-
-
-# vllm-cpu installs vLLM under the distribution name "vllm-cpu", and its `vllm` script dies asking
-# importlib.metadata for "vllm"'s version; this runs the same CLI with that one lookup answered.
-_VLLM_CPU_SHIM = ('import importlib.metadata as m, sys; v = m.version; '
-                  'm.version = lambda n: v("vllm-cpu") if n == "vllm" else v(n); '
-                  'sys.argv[0] = "vllm"; from vllm.entrypoints.cli.main import main; sys.exit(main())')
-
-
-def _vllm_cpu_python(script: str) -> str | None:
-    """The interpreter of a `vllm` script when its environment has vllm-cpu and no "vllm"
-    distribution (the script cannot start there), else None."""
-    try:
-        with open(script, "rb") as f:
-            first = f.readline().decode(errors="replace")
-    except OSError:
-        return None
-    python = first[2:].strip().split()[0] if first.startswith("#!") and first[2:].strip() else ""
-    if not os.path.basename(python).startswith("python"):
-        return None
-    probe = ("import importlib.metadata as m\ntry:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n"
-             "    m.version('vllm-cpu'); print('vllm-cpu')")
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return python if done.stdout.strip() == "vllm-cpu" else None
 
 
 def default_gguf_path(draft: str | os.PathLike, dtype: str) -> Path:
@@ -147,7 +121,7 @@ def llamacpp_command(args: argparse.Namespace, draft_gguf: Path) -> list[str]:
 
 def vllm_command(args: argparse.Namespace, target_folder: Path) -> list[str]:
     speculative = {"method": "eagle3", "model": str(Path(args.draft).resolve()), "num_speculative_tokens": args.k}
-    launcher = [args.vllm_python, "-c", _VLLM_CPU_SHIM] if args.vllm_python else [args.binary_path]
+    launcher = [args.vllm_python, "-c", VLLM_CPU_SHIM] if args.vllm_python else [args.binary_path]
     return [*launcher, "serve", str(target_folder), "--speculative-config", json.dumps(speculative),
             "--host", args.host, "--port", str(args.port), *args.engine_args]
 
