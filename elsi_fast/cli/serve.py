@@ -146,9 +146,8 @@ def _vllm_target(args: argparse.Namespace) -> Path:
 
     source = args.target_source
     folder = dequantized_folder(source.path, "--target") if source.kind == "gguf" else Path(source.path)
-    vocab = json.loads((folder / "config.json").read_text()).get("vocab_size")
-    text_vocab = vocab if vocab is not None else json.loads((folder / "config.json").read_text()).get(
-        "text_config", {}).get("vocab_size")
+    config = json.loads((folder / "config.json").read_text())
+    text_vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
     if text_vocab is not None and text_vocab != args.draft_config.vocab_size:
         raise ValueError(f"--target: its vocabulary has {text_vocab} tokens and the draft's {args.draft_config.vocab_size}; "
                          "serve the draft with the target it was trained on")
