@@ -89,6 +89,15 @@ def run_peak_rss(cmd: list[str], *, capture: bool = False, **kwargs: Any) -> tup
     return done, int(words[-1]) * 1024 if words and words[-1].isdigit() else None
 
 
+def first_per_category(records: list[dict[str, Any]], n: int) -> list[int]:
+    """Indices of the first `n` records of every category, in record order: the same prompt subset
+    for every engine and draft a benchmark compares."""
+    by_category: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_category.setdefault(r["category"], []).append(i)
+    return sorted(i for indices in by_category.values() for i in indices[:n])
+
+
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 10, device: str | torch.device = "cpu") -> float:
     """Median wall time of `fn()` in seconds; synchronizes CUDA around each call."""
     is_cuda = torch.device(device).type == "cuda"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,14 +84,17 @@ def training_subset(prompts, tokenizer) -> list:
 
 def _regenerate_kept(model, tokenizer, prompts, folder: Path, keep: Path, **settings) -> None:
     """`regenerate` into `folder`, first restored from the kept answers `keep/<folder>.answers.json`
-    when the folder is new; the finished answers are kept again afterwards."""
+    when the folder is new; the finished answers are kept again afterwards, also when interrupted."""
     kept = keep / f"{folder.name}.answers.json"
     if not (folder / CONVERSATIONS_FILE).is_file() and kept.is_file():
         print(f"{folder.name}: {restore_answers(model, tokenizer, prompts, folder, json.loads(kept.read_text()), **settings)}"
               f" answers restored from {kept}")
-    print(regenerate(model, tokenizer, prompts, folder, **settings))
-    keep.mkdir(parents=True, exist_ok=True)
-    kept.write_text(json.dumps(export_answers(folder)))
+    try:
+        print(regenerate(model, tokenizer, prompts, folder, **settings))
+    finally:  # an interrupted run keeps what it finished: `restore_answers` takes a partial export
+        if (folder / CONVERSATIONS_FILE).is_file():
+            keep.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps(export_answers(folder)))
 
 
 def stage_data(model, tokenizer, out: Path, keep: Path) -> None:
@@ -421,7 +425,12 @@ def _plots(by_set: dict, sets: dict, categories: list[str], images: Path, model:
     plt.close(fig)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` keeps finished answers as Ctrl-C does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--stages", nargs="+", default=["data", "calibrate", "cache", "recipe", "claims"])

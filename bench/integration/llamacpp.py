@@ -505,7 +505,7 @@ def measure(args: argparse.Namespace) -> None:
     length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
     without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
     sys.path.insert(0, str(ROOT))
-    from bench.common import cpu_model, record
+    from bench.common import cpu_model, first_per_category, record
     from elsi_fast.draft import Eagle3Draft
     from elsi_fast.evaluation import pooled_tau, replay_runs_per_k
     from elsi_fast.feature_cache import open_cache
@@ -518,10 +518,7 @@ def measure(args: argparse.Namespace) -> None:
     experiment = Path(args.experiment)
     records = read_conversations(experiment / "eval" / "conversations.jsonl")
     cache = open_cache(experiment / "cache-eval")
-    by_category: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_category.setdefault(r["category"], []).append(i)
-    chosen = sorted(i for indices in by_category.values() for i in indices[: args.per_category])
+    chosen = first_per_category(records, args.per_category)
     work = Path(args.out) / "measure"
     work.mkdir(parents=True, exist_ok=True)
     prompts = [tokenizer.decode(records[i]["prompt_ids"]) for i in chosen]

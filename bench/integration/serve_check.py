@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    from bench.common import cpu_model, record
+    from bench.common import cpu_model, first_per_category, record
     from elsi_fast import catalog
     from elsi_fast.draft import Eagle3Draft
     from elsi_fast.evaluation import pooled_tau, replay_runs_per_k
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     experiment = Path(args.experiment)
     records = read_conversations(experiment / "eval" / "conversations.jsonl")
-    by_category: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_category.setdefault(r["category"], []).append(i)
-    chosen = sorted(i for indices in by_category.values() for i in indices[: args.per_category])
+    chosen = first_per_category(records, args.per_category)
     target = catalog.resolve("smollm2-135m-instruct")
     folder = dequantized_folder(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
