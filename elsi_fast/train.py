@@ -224,12 +224,15 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
 
 def init_from_target(draft: Eagle3Draft, target) -> None:
-    """Warm start: the draft's layer from the target's last block where shapes allow, its final norm
-    and head rows from the target's. fc maps the m target states to their mean (identity blocks / m),
-    so the first step sees the states themselves; q/k/v read the hidden half of the 2d concat with
-    the target's weights and start at zero on the embedding half."""
+    """Warm start: the draft's layer from the target's last block where shapes allow and the block
+    computes what the draft's Llama layer does, its final norm and head rows from the target's. fc
+    maps the m target states to their mean (identity blocks / m), so the first step sees the states
+    themselves; q/k/v read the hidden half of the 2d concat with the target's weights and start at
+    zero on the embedding half."""
     block = decoder_layers(target)[-1]
-    weights = dict(block.named_parameters())
+    attention_transfers, mlp_transfers = _llama_parts(block, target)
+    weights = {name: w for name, w in block.named_parameters()
+               if (name.startswith("self_attn.") and attention_transfers) or (name.startswith("mlp.") and mlp_transfers)}
     own = draft.midlayer
     d = draft.config.hidden_size
     with torch.no_grad():
@@ -247,9 +250,11 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
         for name, parameter in pairs.items():
             if name in weights and weights[name].shape == parameter.shape:
                 parameter.copy_(weights[name])
-        norms = {own.post_attention_layernorm: getattr(block, "post_attention_layernorm", None),
-                 own.input_layernorm: getattr(block, "input_layernorm", None),
-                 own.hidden_norm: getattr(block, "input_layernorm", None), draft.norm: getattr(target.base_model, "norm", None)}
+        norms = {draft.norm: getattr(target.base_model, "norm", None)}
+        if attention_transfers and mlp_transfers:  # the block's norms sit where the draft's do
+            norms.update({own.post_attention_layernorm: getattr(block, "post_attention_layernorm", None),
+                          own.input_layernorm: getattr(block, "input_layernorm", None),
+                          own.hidden_norm: getattr(block, "input_layernorm", None)})
         for mine, theirs in norms.items():
             if isinstance(getattr(theirs, "weight", None), torch.Tensor) and theirs.weight.shape == mine.weight.shape:
                 # Gemma's RMSNorm scales by (1 + weight), the draft's (as Llama's) by weight.
@@ -258,6 +263,20 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
         ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
         if head is not None and head.weight.shape[1] == d:
             draft.lm_head.weight.copy_(head.weight[ids.to(head.weight.device)])
+
+
+def _llama_parts(block, target) -> tuple[bool, bool]:
+    """Whether the target block's attention and MLP compute what the draft's Llama layer's do, so
+    their weights are a warm start. Not where the block normalizes q and k (Qwen3, Gemma 3), wraps
+    attention and MLP in extra norms (Gemma's sandwich: copied, their outputs would enter the
+    residual unnormalized, at the scale of Gemma's stream) or activates with other than SiLU.
+    Copying Gemma 3's block diverged (docs/method.md, section 6, warm start)."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    sandwich = hasattr(block, "pre_feedforward_layernorm") or hasattr(block, "post_feedforward_layernorm")
+    attention = getattr(block, "self_attn", None)
+    qk_norm = attention is not None and (hasattr(attention, "q_norm") or hasattr(attention, "k_norm"))
+    return not (sandwich or qk_norm), not sandwich and activation == "silu"
 
 
 def warmup_cosine(step: int, warmup: int, steps: int) -> float:

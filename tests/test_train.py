@@ -226,3 +226,28 @@ def test_length_sorted_micro_batches_give_the_loss_and_weights_of_one_padded_bat
     lengths = [[len(samples[i].ids) for i in g.tolist()] for g in groups]
     assert sorted(torch.cat(groups).tolist()) == picked.tolist() and all(len(g) <= 2 for g in groups)
     assert [l for g in lengths for l in g] == sorted(len(samples[i].ids) for i in picked.tolist())
+
+
+def test_warm_start_from_a_gemma3_block_keeps_the_layer_random_and_takes_norm_plus_one_and_head():
+    """Gemma 3's block (q/k norms, sandwich norms, GELU) does not compute what the draft's Llama
+    layer does: its weights are left at the seeded random init; the final norm (scaled by 1 + w in
+    Gemma) and the head rows still transfer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from elsi_fast.train import draft_config_for, init_from_target
+
+    torch.manual_seed(0)
+    target = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"]))
+    with torch.no_grad():
+        target.model.norm.weight.normal_()
+    config = draft_config_for(target, [1], draft_vocab_size=40)
+    draft = Eagle3Draft(config, target.get_input_embeddings().weight)
+    untouched = {name: p.detach().clone() for name, p in draft.midlayer.named_parameters()}
+    init_from_target(draft, target)
+    for name, p in draft.midlayer.named_parameters():
+        assert torch.equal(p, untouched[name]), name
+    torch.testing.assert_close(draft.norm.weight, target.model.norm.weight + 1.0, rtol=0, atol=0)
+    rows = draft.draft_to_target(torch.arange(40))
+    torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight[rows], rtol=0, atol=0)
