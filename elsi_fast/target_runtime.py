@@ -18,8 +18,8 @@ RoPE, the KV cache and everything else stay the model's own torch code.
 
 Each output row of the three ops is computed in the same order whatever the number of rows, so a
 verify forward of k+1 tokens computes exactly the logits of k+1 one-token forwards (for widths that
-are multiples of 16, as in real models: torch's own elementwise ops send a tensor's last
-`numel % 16` elements down a scalar path) and speculative decoding on the runtime emits exactly the
+are multiples of 32, as in real models: torch's own elementwise ops send a tensor's last
+`numel % 32` elements down a scalar path with AVX-512, `numel % 16` with AVX2) and speculative decoding on the runtime emits exactly the
 runtime's own greedy decoding (`speculative.greedy_generate`).
 
 The ops have no autograd formula: with gradients enabled and a weight or input that requires them,

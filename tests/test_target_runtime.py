@@ -166,8 +166,9 @@ def test_attention_rejects_bad_input():
 VOCAB = 97
 
 
-# Widths are multiples of 16, as in real models: torch's elementwise kernels send the last
-# numel % 16 elements of a tensor down a scalar path, so with other widths which elements of a row
+# Widths are multiples of 32, as in real models: torch's vectorized elementwise loops step over
+# 2 vectors (32 floats with AVX-512, 16 with AVX2) and send a tensor's last numel % 32 (or 16)
+# elements down a scalar path, so with other widths which elements of a row
 # take it depends on the number of rows, and the model's own torch code (norms, SiLU) would break
 # the bitwise equality of verify and one-token forwards that the runtime's ops keep.
 def _llama():
@@ -179,15 +180,15 @@ def _llama():
 
 def _qwen2():  # q/k/v biases
     torch.manual_seed(1)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                                         num_attention_heads=3, num_key_value_heads=1,
                                         max_position_embeddings=128)).eval()
 
 
 def _qwen3():  # q/k norms, head_dim != hidden / heads
     torch.manual_seed(2)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                                         max_position_embeddings=128)).eval()
 
 
