@@ -230,7 +230,7 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
     themselves; q/k/v read the hidden half of the 2d concat with the target's weights and start at
     zero on the embedding half."""
     block = decoder_layers(target)[-1]
-    attention_transfers, mlp_transfers = _llama_parts(block, target)
+    attention_transfers, mlp_transfers, norms_transfer = _llama_parts(block, target)
     weights = {name: w for name, w in block.named_parameters()
                if (name.startswith("self_attn.") and attention_transfers) or (name.startswith("mlp.") and mlp_transfers)}
     own = draft.midlayer
@@ -251,7 +251,7 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
             if name in weights and weights[name].shape == parameter.shape:
                 parameter.copy_(weights[name])
         norms = {draft.norm: getattr(target.base_model, "norm", None)}
-        if attention_transfers and mlp_transfers:  # the block's norms sit where the draft's do
+        if norms_transfer:  # the block's norms sit where the draft's do
             norms.update({own.post_attention_layernorm: getattr(block, "post_attention_layernorm", None),
                           own.input_layernorm: getattr(block, "input_layernorm", None),
                           own.hidden_norm: getattr(block, "input_layernorm", None)})
@@ -265,9 +265,9 @@ def init_from_target(draft: Eagle3Draft, target) -> None:
             draft.lm_head.weight.copy_(head.weight[ids.to(head.weight.device)])
 
 
-def _llama_parts(block, target) -> tuple[bool, bool]:
-    """Whether the target block's attention and MLP compute what the draft's Llama layer's do, so
-    their weights are a warm start. Not where the block normalizes q and k (Qwen3, Gemma 3), wraps
+def _llama_parts(block, target) -> tuple[bool, bool, bool]:
+    """Whether the target block's attention, MLP and norms compute what the draft's Llama layer's
+    do, so their weights are a warm start. Not where the block normalizes q and k (Qwen3, Gemma 3), wraps
     attention and MLP in extra norms (Gemma's sandwich: copied, their outputs would enter the
     residual unnormalized, at the scale of Gemma's stream) or activates with other than SiLU.
     Copying Gemma 3's block diverged (docs/method.md, section 6, warm start)."""
@@ -276,7 +276,7 @@ def _llama_parts(block, target) -> tuple[bool, bool]:
     sandwich = hasattr(block, "pre_feedforward_layernorm") or hasattr(block, "post_feedforward_layernorm")
     attention = getattr(block, "self_attn", None)
     qk_norm = attention is not None and (hasattr(attention, "q_norm") or hasattr(attention, "k_norm"))
-    return not (sandwich or qk_norm), not sandwich and activation == "silu"
+    return not (sandwich or qk_norm), not sandwich and activation == "silu", not sandwich
 
 
 def warmup_cosine(step: int, warmup: int, steps: int) -> float:
