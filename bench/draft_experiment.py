@@ -277,17 +277,48 @@ def _interval(values: list[float]) -> tuple[float, float]:
     return mean, _T975.get(n - 1, 1.96) * sd / n**0.5
 
 
-def _prompt_bootstrap(runs: dict, reference: dict, k: str = "4", draws: int = 4000) -> tuple[float, float]:
-    """95% bootstrap interval of the mean over prompts of tau(set) - tau(reference) at k, each
-    prompt's difference averaged over the seeds both have (prompt-to-prompt noise, not seed noise)."""
+def _emitted_tokens(keep: Path) -> dict[str, list[int]]:
+    """Tokens each replayed evaluation prompt emits through verification rounds (accepted + rounds),
+    per category in record order, as `evaluation.replay_runs_per_k` replays them: the continuation's
+    budget less the prefill's token, prompts with fewer than 2 new tokens left out. The same for
+    every draft, so a prompt's rounds are emitted / tau and a pooled tau can be resampled."""
+    category = {p.id: p.category for p in load_prompts(str(DATA / "spec_bench_question.jsonl"))}
+    emitted: dict[str, list[int]] = {}
+    for answer in json.loads((keep / "eval.answers.json").read_text())["answers"]:
+        response = answer["response_ids"]
+        if len(response) < 2:
+            continue
+        budget = response.index(response[-1]) + 1 if answer.get("stop") == "eos" else len(response)
+        emitted.setdefault(category[answer["id"]], []).append(budget - 1)
+    return emitted
+
+
+def _pooled_bootstrap(runs: dict, reference: dict, emitted: dict[str, list[int]], k: str = "4",
+                      category: str | None = None, draws: int = 4000) -> tuple[float, float]:
+    """95% bootstrap interval of pooled tau(set) - tau(reference) at k over the prompts (of
+    `category`, default all): prompts resampled, each resample's pooled tau = emitted / rounds
+    summed over its prompts (the statistic the tables report), the difference averaged over the
+    seeds both have. Prompt-to-prompt noise, not seed noise."""
     import numpy as np
 
+    categories = sorted(emitted) if category is None else [category]
+    tokens = np.concatenate([np.asarray(emitted[c], dtype=np.float64) for c in categories])
+
+    def rounds(cell: dict) -> np.ndarray:
+        per_prompt = cell["tau"][k]
+        counts = np.concatenate([np.asarray(emitted[c]) / np.asarray(per_prompt["per_prompt"][c]) for c in categories])
+        pooled = per_prompt["pooled"][category or "all"]
+        if abs(tokens.sum() / counts.sum() - pooled) > 1e-9 * pooled:  # the weights belong to these prompts
+            raise ValueError(f"eval.answers.json does not match the cell's prompts ({cell['name']} seed {cell['seed']})")
+        return counts
+
     seeds = [s for s in runs if s in reference]
-    diffs = np.mean([np.concatenate([np.subtract(runs[s]["tau"][k]["per_prompt"][c], reference[s]["tau"][k]["per_prompt"][c])
-                                     for c in sorted(runs[s]["tau"][k]["per_prompt"])]) for s in seeds], axis=0)
-    picks = np.random.default_rng(0).integers(0, len(diffs), (draws, len(diffs)))
-    means = diffs[picks].mean(axis=1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+    pairs = [(rounds(runs[s]), rounds(reference[s])) for s in seeds]
+    picks = np.random.default_rng(0).integers(0, len(tokens), (draws, len(tokens)))
+    resampled = tokens[picks].sum(axis=1)
+    diffs = np.mean([resampled / mine[picks].sum(axis=1) - resampled / theirs[picks].sum(axis=1)
+                     for mine, theirs in pairs], axis=0)
+    return float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))
 
 
 def stage_report(keep: Path, images: Path | None = None) -> str:
@@ -303,10 +334,11 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
         by_set.setdefault(cell["name"], {})[cell["seed"]] = cell
     categories = sorted({c for cell in claims for c in cell["tau"]["4"]["pooled"] if c != "all"})
     lines += ["Δ vs EAGLE3: the paired difference of pooled tau over seeds (mean ± 95% t half-width), and a "
-              "95% bootstrap interval of the mean per-prompt difference (prompts resampled, seeds averaged).", "",
+              "95% bootstrap interval of the pooled difference (prompts resampled, seeds averaged).", "",
               "| set | layers | seeds | " + " | ".join(["all", *categories]) + " | Δ all vs EAGLE3 (paired) |",
               "|---" * (5 + len(categories)) + "|"]
     reference = by_set.get("eagle3-m3", {})
+    emitted = _emitted_tokens(keep)
     for name in sets:
         runs = by_set.get(name, {})
         if not runs:
@@ -319,8 +351,8 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
                   for s in runs if s in reference]
         if name != "eagle3-m3" and paired:
             mean, half = _interval(paired)
-            low, high = _prompt_bootstrap(runs, reference)
-            row.append(f"{mean:+.3f} ± {half:.3f} (n={len(paired)} seeds); per prompt [{low:+.3f}, {high:+.3f}]")
+            low, high = _pooled_bootstrap(runs, reference, emitted)
+            row.append(f"{mean:+.3f} ± {half:.3f} (n={len(paired)} seeds); prompts [{low:+.3f}, {high:+.3f}]")
         else:
             row.append("0" if name == "eagle3-m3" else "-")
         lines.append("| " + " | ".join(row) + " |")
@@ -329,6 +361,27 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
     for name, runs in by_set.items():
         lines.append(f"| {name} | " + " | ".join(
             f"{_interval([r['tau'][str(k)]['pooled']['all'] for r in runs.values()])[0]:.3f}" for k in KS) + " |")
+    compared = {name: runs for name, runs in by_set.items() if name != "eagle3-m3" and set(runs) & set(reference)}
+    lines += ["", "Δ vs EAGLE3 at each k: paired over seeds (mean ± 95% t half-width) and the 95% bootstrap "
+              "interval over prompts:", "", "| set | " + " | ".join(f"k={k}" for k in KS) + " |", "|---" * (1 + len(KS)) + "|"]
+    for name, runs in compared.items():
+        row = []
+        for k in map(str, KS):
+            mean, half = _interval([runs[s]["tau"][k]["pooled"]["all"] - reference[s]["tau"][k]["pooled"]["all"]
+                                    for s in runs if s in reference])
+            low, high = _pooled_bootstrap(runs, reference, emitted, k)
+            row.append(f"{mean:+.3f} ± {half:.3f} [{low:+.3f}, {high:+.3f}]")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines += ["", "Δ vs EAGLE3 per category at k=4 (mean over paired seeds; 95% bootstrap interval over the category's prompts):", "",
+              "| set | " + " | ".join(categories) + " |", "|---" * (1 + len(categories)) + "|"]
+    for name, runs in compared.items():
+        row = []
+        for category in categories:
+            mean = _interval([runs[s]["tau"]["4"]["pooled"][category] - reference[s]["tau"]["4"]["pooled"][category]
+                              for s in runs if s in reference])[0]
+            low, high = _pooled_bootstrap(runs, reference, emitted, "4", category=category)
+            row.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
     recipe = [c for c in cells if c["name"] == "elsi-m1" and c["seed"] == 0 and c["tag"] in ("claims",) or
               c["tag"].startswith("recipe-")]
     if recipe:
