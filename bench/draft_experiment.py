@@ -321,6 +321,11 @@ def _pooled_bootstrap(runs: dict, reference: dict, emitted: dict[str, list[int]]
     return float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))
 
 
+def _paired(runs: dict, reference: dict, k: str = "4", category: str = "all") -> list[float]:
+    """Pooled tau(set) - tau(reference) at k for every seed both have."""
+    return [runs[s]["tau"][k]["pooled"][category] - reference[s]["tau"][k]["pooled"][category] for s in runs if s in reference]
+
+
 def stage_report(keep: Path, images: Path | None = None) -> str:
     """Markdown tables (and plots into `images`) of the finished claims cells kept in `keep`: tau per
     set and category at k = 4, paired differences against the EAGLE3 default over seeds, tau
@@ -347,8 +352,7 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
         for category in ["all", *categories]:
             mean, half = _interval([r["tau"]["4"]["pooled"][category] for r in runs.values()])
             row.append(f"{mean:.3f} ± {half:.3f}")
-        paired = [runs[s]["tau"]["4"]["pooled"]["all"] - reference[s]["tau"]["4"]["pooled"]["all"]
-                  for s in runs if s in reference]
+        paired = _paired(runs, reference)
         if name != "eagle3-m3" and paired:
             mean, half = _interval(paired)
             low, high = _pooled_bootstrap(runs, reference, emitted)
@@ -367,8 +371,7 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
     for name, runs in compared.items():
         row = []
         for k in map(str, KS):
-            mean, half = _interval([runs[s]["tau"][k]["pooled"]["all"] - reference[s]["tau"][k]["pooled"]["all"]
-                                    for s in runs if s in reference])
+            mean, half = _interval(_paired(runs, reference, k))
             low, high = _pooled_bootstrap(runs, reference, emitted, k)
             row.append(f"{mean:+.3f} ± {half:.3f} [{low:+.3f}, {high:+.3f}]")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
@@ -377,8 +380,7 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
     for name, runs in compared.items():
         row = []
         for category in categories:
-            mean = _interval([runs[s]["tau"]["4"]["pooled"][category] - reference[s]["tau"]["4"]["pooled"][category]
-                              for s in runs if s in reference])[0]
+            mean = _interval(_paired(runs, reference, "4", category))[0]
             low, high = _pooled_bootstrap(runs, reference, emitted, "4", category=category)
             row.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
