@@ -17,7 +17,10 @@ calibrate: `analyze` on the claims' training instructions (the balanced subset: 
 cache:     the target's states on both, for the union of every set's layers (bfloat16), once.
 recipe:    what buys tau per CPU-hour, on ELSI m=1 (seed 0): init random / target, draft vocabulary
            2048 / 8192, training-time test 3 / 7, and a data-scaling curve (training tokens).
-claims:    every layer set x seeds at the chosen recipe; tau at k = 1..5 replayed exactly.
+claims:    every layer set x seeds at the chosen recipe; tau at k = 1..5 replayed exactly. With
+           --variant V, the sets are trained with recipe cell V's change instead (cells
+           `<set>-seed<s>-recipe-V`, the recipe stage's own cell among them): whether a recipe
+           knob moves the sets' ranking, paired against the claims cells of the same set and seed.
 heldout:   the seed-0 claims drafts replayed on HELD_OUT of their own training conversations per
            category, on as many unseen training instructions, and beside their Spec-Bench tau: what
            memorizing, the budget and the shift to the evaluation prompts each cost.
@@ -206,11 +209,13 @@ def stage_recipe(model, tokenizer, out: Path, keep: Path, sets: dict, tags: list
               f"train {result['train_cpu_seconds'] / 60:.1f} CPU-min, {result['train_tokens']} tokens")
 
 
-def stage_claims(model, tokenizer, out: Path, keep: Path, sets: dict, seeds: list[int]) -> None:
+def stage_claims(model, tokenizer, out: Path, keep: Path, sets: dict, seeds: list[int],
+                 variant: str | None = None) -> None:
+    recipe, tag = ({**RECIPE, **RECIPE_VARIANTS[variant]}, f"recipe-{variant}") if variant else (RECIPE, "claims")
     for seed in seeds:  # every set at one seed before the next seed: partial results stay balanced
         for name, layers in sets.items():
-            result = run_cell(model, tokenizer, out, keep, name, layers, seed, RECIPE, "claims")
-            print(f"{name:<16} seed {seed}: tau(k=4) {result['tau']['4']['pooled']['all']:.3f}")
+            result = run_cell(model, tokenizer, out, keep, name, layers, seed, recipe, tag)
+            print(f"{name:<16} seed {seed} {tag}: tau(k=4) {result['tau']['4']['pooled']['all']:.3f}")
 
 
 HELD_OUT = 12  # conversations per category of each of the heldout stage's two replay sets
@@ -384,8 +389,8 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
             low, high = _pooled_bootstrap(runs, reference, emitted, "4", category=category)
             row.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
-    recipe = [c for c in cells if c["name"] == "elsi-m1" and c["seed"] == 0 and c["tag"] in ("claims",) or
-              c["tag"].startswith("recipe-")]
+    recipe = [c for c in cells if c["name"] == "elsi-m1" and c["seed"] == 0 and
+              (c["tag"] == "claims" or c["tag"].startswith("recipe-"))]
     if recipe:
         lines += ["", "recipe (ELSI m=1, seed 0):", "",
                   "| cell | init | draft vocab | TTT | steps | train tokens | train CPU-min | tau k=4 | tau per train CPU-hour |",
@@ -396,6 +401,7 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
             lines.append(f"| {c['tag']} | {r['init']} | {r['draft_vocab_size']} | {r['ttt_steps']} | {r['steps']} | "
                          f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
                          f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
+    lines += _variant_tables(cells, by_set, sets)
     base, rerun = by_set.get("elsi-m1", {}).get(0), next((c for c in cells if c["tag"] == "recipe-rerun"), None)
     if base and rerun:
         gaps = [abs(a - b) for k in KS for cat in base["tau"][str(k)]["per_prompt"]
@@ -419,6 +425,54 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
     if images is not None and len(scaling) > 1:
         _scaling_plot(scaling, images, keep.name)
     return "\n".join(lines)
+
+
+def _variant_tables(cells: list[dict], by_set: dict, sets: dict) -> list[str]:
+    """For each recipe variant trained on more than one set (`--variant`): tau(k=4) of every
+    (set, seed) cell beside its claims cell, the variant's effect paired by set and seed, and each
+    set's difference from the EAGLE3 default under the variant against the same under the recipe
+    (paired by seed): whether the knob moves the ranking."""
+    variants: dict[str, dict[str, dict[int, dict]]] = {}
+    for c in cells:
+        if c["tag"].startswith("recipe-") and c["name"] in sets:
+            variants.setdefault(c["tag"], {}).setdefault(c["name"], {})[c["seed"]] = c
+    lines: list[str] = []
+    for tag, by_name in variants.items():
+        if len(by_name) < 2:
+            continue
+        lines += ["", f"{tag} against the claims recipe (tau at k=4; Δ: paired by set and seed; "
+                  "Δ vs EAGLE3: paired by seed within each recipe):", "",
+                  f"| set | seeds | {tag} | claims | Δ ({tag} − claims) | Δ vs EAGLE3, {tag} | Δ vs EAGLE3, claims |",
+                  "|---|---|---|---|---|---|---|"]
+        reference = by_name.get("eagle3-m3", {})
+        for name in sets:
+            runs = by_name.get(name, {})
+            if not runs:
+                continue
+            seeds = sorted(runs)
+            tau = lambda cell: cell["tau"]["4"]["pooled"]["all"]  # noqa: E731
+            mine = " / ".join(f"{tau(runs[s]):.3f}" for s in seeds)
+            claims = " / ".join(f"{tau(by_set[name][s]):.3f}" if s in by_set.get(name, {}) else "-" for s in seeds)
+            effect = [tau(runs[s]) - tau(by_set[name][s]) for s in seeds if s in by_set.get(name, {})]
+            row = [name, ", ".join(map(str, seeds)), mine, claims, _mean_half(effect)]
+            if name == "eagle3-m3":
+                row += ["0", "0"]
+            else:
+                both = {s: c for s, c in runs.items() if s in reference and s in by_set.get(name, {})}
+                row += [_mean_half(_paired(both, reference)),
+                        _mean_half(_paired({s: by_set[name][s] for s in both}, by_set.get("eagle3-m3", {})))]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _mean_half(values: list[float]) -> str:
+    """'mean ± 95% t half-width (n=..)', the mean alone for one value, '-' for none."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:+.3f} (n=1)"
+    mean, half = _interval(values)
+    return f"{mean:+.3f} ± {half:.3f} (n={len(values)})"
 
 
 def _scaling_plot(cells: list[dict], images: Path, model: str) -> None:
@@ -494,6 +548,8 @@ def main() -> None:
                         help="claims: only these layer sets, in this order (default: all, in the claims' order)")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_VARIANTS), choices=list(RECIPE_VARIANTS),
                         help="recipe stage: which cells, in this order (default all)")
+    parser.add_argument("--variant", choices=[v for v in RECIPE_VARIANTS if RECIPE_VARIANTS[v]], default=None,
+                        help="claims: train the sets with this recipe cell's change instead of the recipe")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--runs", type=Path, default=RUNS, help="working state: data, caches, drafts")
     parser.add_argument("--keep", type=Path, default=None,
@@ -535,7 +591,7 @@ def main() -> None:
         stage_heldout(model, tokenizer, out, keep, sets)
     if "claims" in args.stages:
         stage_claims(model, tokenizer, out, keep, {name: sets[name] for name in args.sets} if args.sets else sets,
-                     args.seeds)
+                     args.seeds, args.variant)
 
 
 if __name__ == "__main__":
