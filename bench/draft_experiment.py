@@ -401,7 +401,7 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
             lines.append(f"| {c['tag']} | {r['init']} | {r['draft_vocab_size']} | {r['ttt_steps']} | {r['steps']} | "
                          f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
                          f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
-    lines += _variant_tables(cells, by_set, sets)
+    lines += _variant_tables(cells, by_set, sets, emitted)
     base, rerun = by_set.get("elsi-m1", {}).get(0), next((c for c in cells if c["tag"] == "recipe-rerun"), None)
     if base and rerun:
         gaps = [abs(a - b) for k in KS for cat in base["tau"][str(k)]["per_prompt"]
@@ -427,11 +427,12 @@ def stage_report(keep: Path, images: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def _variant_tables(cells: list[dict], by_set: dict, sets: dict) -> list[str]:
+def _variant_tables(cells: list[dict], by_set: dict, sets: dict, emitted: dict[str, list[int]]) -> list[str]:
     """For each recipe variant trained on more than one set (`--variant`): tau(k=4) of every
     (set, seed) cell beside its claims cell, the variant's effect paired by set and seed, and each
     set's difference from the EAGLE3 default under the variant against the same under the recipe
-    (paired by seed): whether the knob moves the ranking."""
+    (paired by seed; with the 95% bootstrap interval over prompts under the variant): whether the
+    knob moves the ranking."""
     variants: dict[str, dict[str, dict[int, dict]]] = {}
     for c in cells:
         if c["tag"].startswith("recipe-") and c["name"] in sets:
@@ -459,7 +460,8 @@ def _variant_tables(cells: list[dict], by_set: dict, sets: dict) -> list[str]:
                 row += ["0", "0"]
             else:
                 both = {s: c for s, c in runs.items() if s in reference and s in by_set.get(name, {})}
-                row += [_mean_half(_paired(both, reference)),
+                low, high = _pooled_bootstrap(both, reference, emitted) if both else (float("nan"),) * 2
+                row += [f"{_mean_half(_paired(both, reference))}; prompts [{low:+.3f}, {high:+.3f}]",
                         _mean_half(_paired({s: by_set[name][s] for s in both}, by_set.get("eagle3-m3", {})))]
             lines.append("| " + " | ".join(row) + " |")
     return lines
