@@ -160,7 +160,11 @@ def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[in
     cell = out / "cells" / f"{name}-seed{seed}-{tag}"
     done = keep / "cells" / f"{cell.name}.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        kept = json.loads(done.read_text())
+        if kept["recipe"] != recipe or kept["layers"] != layers:  # a changed RECIPE must not reuse old cells
+            raise ValueError(f"{done} was trained with layers {kept['layers']}, recipe {kept['recipe']}; this run "
+                             f"asks for {layers}, {recipe}: give the new recipe its own tag")
+        return kept
     train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
     started = time.process_time()
     draft = train_draft(model, tokenizer, layers, train, out_dir=cell, feature_cache=open_cache(out / "cache-train"),
