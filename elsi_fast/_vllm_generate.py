@@ -13,6 +13,12 @@ import json
 import os
 import sys
 
+# Run as a script, this file's folder, the elsi_fast package, is sys.path[0], and its modules would
+# shadow installed top-level modules of the same names for vLLM and transformers (transformers 5.25
+# imports the `kernels` distribution; elsi_fast/kernels/ took its place and the worker failed).
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
 
 def main(job_path: str) -> None:
     with open(job_path) as f:
