@@ -125,31 +125,48 @@ class FreeCores:
     one thread was unaffected (docs/method.md section 5). The 1-minute load average reacts too late
     for that; this samples /proc/stat and this process's own CPU time at most every `interval`
     seconds and returns the available cores minus the cores others kept busy over the last
-    interval (at least 1). Off Linux it returns `default_threads()`.
+    interval (at least 1). The first call measures too: over the time since construction, waiting
+    until `first_window` seconds have passed (once). Off Linux it returns `default_threads()`.
     """
 
-    def __init__(self, interval: float = 0.5, limit: int | None = None):
+    def __init__(self, interval: float = 0.5, limit: int | None = None, first_window: float = 0.05):
         self.interval = interval
         self.limit = limit
-        self._last: tuple[float, int, int, int] | None = None
-        self._free = min(default_threads(), limit or default_threads())
+        self.first_window = first_window
+        self._free = min(default_threads(), limit or default_threads())  # off Linux: the only estimate
+        self._measured = False
+        self._last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, int, int, int] | None:
+        import time
+
+        cpu, own = _cpu_jiffies(), _own_jiffies()
+        return None if cpu is None or own is None else (time.monotonic(), cpu[0], cpu[1], own)
 
     def __call__(self) -> int:
         import time
 
-        now = time.monotonic()
-        if self._last is not None and now - self._last[0] < self.interval:
+        if self._last is None:
             return self._free
-        cpu, own = _cpu_jiffies(), _own_jiffies()
-        if cpu is None or own is None:
+        elapsed = time.monotonic() - self._last[0]
+        if self._measured and elapsed < self.interval:
             return self._free
-        if self._last is not None:
-            _, busy, total, mine = self._last
-            cores = os.cpu_count() or 1
-            span = (cpu[1] - total) / cores  # ticks per core in the interval
-            if span > 0:
-                others = max(0.0, (cpu[0] - busy - (own - mine)) / span)
-                free = available_cores() - round(others)
-                self._free = max(1, min(free, self.limit or free))
-        self._last = (now, cpu[0], cpu[1], own)
+        if not self._measured and elapsed < self.first_window:
+            # The first answer is measured too, not the 1-minute load average's guess: that average
+            # counts this process itself and the last minute's work, and on an idle 2-core machine
+            # it gave a fresh team 1 thread where 2 were 1.3-1.6x faster (docs/performance.md).
+            time.sleep(self.first_window - elapsed)
+        sample = self._sample()
+        if sample is None:
+            return self._free
+        _, busy, total, mine = self._last
+        cores = os.cpu_count() or 1
+        span = (sample[2] - total) / cores  # ticks per core in the interval
+        if span > 0:
+            others = max(0.0, (sample[1] - busy - (sample[3] - mine)) / span)
+            free = available_cores() - round(others)
+            self._free = max(1, min(free, self.limit or free))
+            self._measured = True
+        self._last = sample
         return self._free

@@ -62,3 +62,25 @@ def test_configure_before_torch_sets_passive_wait_and_the_count():
 def test_configure_rejects_zero():
     with pytest.raises(ValueError, match="--threads"):
         threads.configure(0)
+
+
+@pytest.mark.parametrize("others_busy, limit, expected", [(0.0, None, 2), (1.0, None, 1), (2.0, None, 1),
+                                                          (0.0, 1, 1), (0.4, None, 2), (0.6, None, 1)])
+def test_free_cores_measures_others_from_the_first_call(machine, monkeypatch, others_busy, limit, expected):
+    """Others' busy cores come from /proc/stat ticks minus this process's own, from the first call on:
+    the 1-minute load average (here 2.0: this process and the last minute's work) is no guide."""
+    machine(2, 2, load=2.0)
+    ticks = {"busy": 1000, "total": 5000, "own": 300}
+    monkeypatch.setattr(threads, "_cpu_jiffies", lambda: (ticks["busy"], ticks["total"]))
+    monkeypatch.setattr(threads, "_own_jiffies", lambda: ticks["own"])
+    team = threads.FreeCores(limit=limit, first_window=0.01)
+    # 100 ticks per core pass: this process runs 50 of them, others `others_busy` cores' worth
+    ticks.update(busy=ticks["busy"] + 50 + round(100 * others_busy), total=ticks["total"] + 200, own=ticks["own"] + 50)
+    assert team() == expected
+    assert team() == expected  # within the interval: the same answer, nothing sampled
+
+
+def test_free_cores_off_linux_falls_back_to_the_load_average(machine, monkeypatch):
+    machine(2, 2, load=1.0)
+    monkeypatch.setattr(threads, "_cpu_jiffies", lambda: None)
+    assert threads.FreeCores()() == 1
