@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -436,11 +437,15 @@ constexpr int64_t kRowBlock = 4;
 // (~0.1-0.3 MB of weights), not by its whole slice.
 constexpr int64_t kChunkRows = 64;
 
-// The step's thread team. Work items are claimed one at a time (a dynamic schedule), and the barrier
-// sleeps after a short spin: OpenMP's own barriers spin for up to GOMP_SPINCOUNT iterations
-// (milliseconds), and on a CPU shared with other processes that spinning holds a core away from the
-// very thread its team waits for. On 2 busy cores here that cost the 2-thread int8 step ~40%
-// (OMP_WAIT_POLICY=passive gave the same gain, but that is the user's process-wide setting).
+// The step's thread team. Work items are claimed one at a time (a dynamic schedule). A thread at a
+// barrier spins for up to kSpinFor, then sleeps on a futex. Sleeping sooner (the first version: 256
+// pauses, ~1-15 us) made the second thread nearly worthless on small steps: a futex wake-up costs
+// tens of microseconds, more in a VM whose idle vCPU halts, as much as a whole phase of SmolLM2's
+// step, which gained 1.1-1.3x from 2 threads on Zen 4 that way, 1.5-1.8x spinning 500 us. Next to
+// busy processes spinning was not worse either (a sleeper waits for the scheduler to preempt a
+// neighbour); sched_yield in the spin bought nothing. docs/performance.md has the figures. The
+// bound keeps a stalled team (a teammate descheduled for a whole time slice) from burning a core
+// for the slice, as OpenMP's own barriers do for GOMP_SPINCOUNT iterations.
 enum Loop : int { kFcLoop, kAttentionLoop, kOLoop, kMlpLoop, kDownLoop, kLmHeadLoop, kNumLoops };
 
 class Team {
@@ -464,16 +469,21 @@ class Team {
       generation_.notify_all();
       return;
     }
-    for (int spin = 0; spin < kSpins; ++spin) {
-      if (generation_.load(std::memory_order_acquire) != generation) return;
+    const auto start = std::chrono::steady_clock::now();
+    for (int spin = 1; generation_.load(std::memory_order_acquire) == generation; ++spin) {
       _mm_pause();
+      if (spin % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() - start > kSpinFor) {
+        while (generation_.load(std::memory_order_acquire) == generation)
+          generation_.wait(generation, std::memory_order_acquire);
+        return;
+      }
     }
-    while (generation_.load(std::memory_order_acquire) == generation)
-      generation_.wait(generation, std::memory_order_acquire);
   }
 
-  // ~1-15 us of pause (depending on the CPU): covers the imbalance of one work item on an idle CPU.
-  static constexpr int kSpins = 256;
+  // Longer than a phase of the steps a second thread pays off on (0.2-2 ms steps, 6 phases), so an
+  // idle team never sleeps inside a step.
+  static constexpr auto kSpinFor = std::chrono::microseconds(500);
+  static constexpr int kPausesPerClockRead = 64;
   std::atomic<int64_t> next_[kNumLoops]{};
   std::atomic<int> arrived_{0};
   std::atomic<uint32_t> generation_{0};
