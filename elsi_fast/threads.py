@@ -11,7 +11,8 @@ thread (10-200x slower at load 11-24 on 2 cores). So the CLI
   not add more runnable threads than there are free cores,
 - makes idle OpenMP workers sleep instead of spin (OMP_WAIT_POLICY=PASSIVE), which must be set
   before torch loads its OpenMP runtime; the native decode step's own thread team follows
-  torch.get_num_threads() and already sleeps after a short spin.
+  torch.get_num_threads() and sleeps when a barrier waits longer than 500 us
+  (csrc/draft_decode_cpu.cpp, Team).
 
 This module imports nothing heavy: the CLI calls `configure` before it imports torch.
 """
