@@ -16,7 +16,8 @@ calibrate: `analyze` on the claims' training instructions (the balanced subset: 
            user has is the prompts the drafts train on): the layer sets.
 cache:     the target's states on both, for the union of every set's layers (bfloat16), once.
 recipe:    what buys tau per CPU-hour, on ELSI m=1 (seed 0): init random / target, draft vocabulary
-           2048 / 8192, training-time test 3 / 7, and a data-scaling curve (training tokens).
+           2048 / 8192, training-time test 3 / 7, a data-scaling curve (training tokens), and the
+           knobs that paid combined (random init, vocabulary 2048, 240 steps: `combined`).
 claims:    every layer set x seeds at the chosen recipe; tau at k = 1..5 replayed exactly. With
            --variant V, the sets are trained with recipe cell V's change instead (cells
            `<set>-seed<s>-recipe-V`, the recipe stage's own cell among them): whether a recipe
@@ -199,7 +200,9 @@ def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[in
 RECIPE_VARIANTS = {"base": {}, "rerun": {}, "steps30": {"steps": 30, "warmup": 3},
                    "steps60": {"steps": 60, "warmup": 6}, "steps240": {"steps": 240, "warmup": 24},
                    "ttt7": {"ttt_steps": 7}, "vocab2048": {"draft_vocab_size": 2048},
-                   "random-init": {"init": "random"}}
+                   "random-init": {"init": "random"},
+                   # the knobs that bought tau per CPU-hour, together (init, vocabulary, the longest run)
+                   "combined": {"init": "random", "draft_vocab_size": 2048, "steps": 240, "warmup": 24}}
 
 
 def stage_recipe(model, tokenizer, out: Path, keep: Path, sets: dict, tags: list[str]) -> None:
