@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 
 _CGROUP_V2 = "/sys/fs/cgroup/cpu.max"
 _CGROUP_V1 = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
@@ -140,14 +141,10 @@ class FreeCores:
 
     @staticmethod
     def _sample() -> tuple[float, int, int, int] | None:
-        import time
-
         cpu, own = _cpu_jiffies(), _own_jiffies()
         return None if cpu is None or own is None else (time.monotonic(), cpu[0], cpu[1], own)
 
     def __call__(self) -> int:
-        import time
-
         if self._last is None:
             return self._free
         elapsed = time.monotonic() - self._last[0]
