@@ -13,7 +13,10 @@ appends one JSON line per prompt to `out/conversations.jsonl`:
 generated (the end-of-turn token included when it stopped there), so training sees what the
 target produced, not a re-tokenization of it. `out/regenerate.json` records the settings and the
 target; a rerun with the same folder continues with the prompts not yet answered (whole batches
-are written; Ctrl-C finishes the batch under way first) and refuses other settings.
+are written; Ctrl-C finishes the batch under way first) and refuses other settings. The prompt
+set may grow between runs (`--self-instruct` adds instructions), but an answered prompt must read
+the same. The target is identified by its config, tokenizer and greedy choices on a fixed probe,
+not by its weights' bytes, so a folder or an export continues on another machine.
 """
 
 from __future__ import annotations
@@ -31,22 +34,56 @@ from .interrupt import DeferredInterrupt
 from .prompts import Prompt, encode_prompt
 
 CONVERSATIONS_FILE = "conversations.jsonl"
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "llama.cpp")
 SETTINGS_FILE = "regenerate.json"
 
 
+# A fixed probe sequence: the identity checks the target's greedy choices on it, not its weights'
+# bytes, which differ between machines and loader versions for the same file (a dequantized GGUF).
+_PROBE_LENGTH = 48
+# Positions where the target's top two logits are closer than this may flip under another float
+# summation order; only the others are compared.
+_PROBE_MARGIN = 0.05
+
+
+@torch.inference_mode()
+def _probe(target) -> dict[str, list]:
+    vocab = target.get_input_embeddings().weight.shape[0]
+    ids = torch.tensor([[(7919 * i + 13) % vocab for i in range(_PROBE_LENGTH)]],
+                       device=target.get_input_embeddings().weight.device)
+    top = target(input_ids=ids).logits[0].float().topk(2, dim=-1)
+    return {"argmax": top.indices[:, 0].tolist(), "margin": [round(float(m), 3) for m in top.values[:, 0] - top.values[:, 1]]}
+
+
 def _target_identity(target, tokenizer) -> dict[str, Any]:
-    """What decides the answers: the target's config, a hash of its embeddings and head, the tokenizer."""
-    digest = hashlib.sha256(target.config.to_json_string().encode())
-    tensors = [target.get_input_embeddings().weight]
-    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    if head is not None:
-        tensors.append(head.weight)
-    for tensor in tensors:
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes()[: 1 << 22])
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:4096]).encode()
-    return {"weights": digest.hexdigest()[:16], "tokenizer": hashlib.sha256(vocab).hexdigest()[:16],
-            "vocab_size": len(tokenizer), "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+    """What decides the answers and survives a re-dequantization on another machine: the config
+    (without its path and library version), the tokenizer, and the target's greedy choices on a
+    fixed probe (`same_target` compares them where they are not near a tie)."""
+    config = {k: v for k, v in target.config.to_dict().items()
+              if k not in ("_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+    return {"config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "tokenizer": hashlib.sha256(vocab).hexdigest()[:16], "vocab_size": len(tokenizer),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)), "probe": _probe(target)}
+
+
+def same_target(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two `_target_identity` records name the same model: equal config and tokenizer, and
+    the same greedy choice at every probe position where neither is within _PROBE_MARGIN of a tie."""
+    fields = lambda r: {k: v for k, v in r.items() if k != "probe"}  # noqa: E731
+    if fields(a) != fields(b) or "probe" not in a or "probe" not in b:
+        return False
+    pa, pb = a["probe"], b["probe"]
+    return len(pa["argmax"]) == len(pb["argmax"]) and all(
+        x == y for x, y, mx, my in zip(pa["argmax"], pb["argmax"], pa["margin"], pb["margin"])
+        if mx >= _PROBE_MARGIN and my >= _PROBE_MARGIN)
+
+
+def same_settings(a: dict[str, Any], b: dict[str, Any], *, prompts: bool = True) -> bool:
+    """Whether two regenerate.json records agree (`prompts=False`: but for the prompts' hash)."""
+    skip = ("target",) if prompts else ("target", "prompts")
+    strip = lambda r: {k: v for k, v in r.items() if k not in skip}  # noqa: E731
+    return strip(a) == strip(b) and same_target(a.get("target", {}), b.get("target", {}))
 
 
 def _stop_ids(target, tokenizer) -> list[int]:
@@ -84,6 +121,7 @@ def regenerate(
     progress: bool = True,
     engine: str = "transformers",
     vllm_python: str | os.PathLike | None = None,
+    server=None,
 ) -> dict[str, Any]:
     """Let `target` answer `prompts` (see the module docstring); returns a summary with the new
     tokens generated in this run and their rate. temperature 0 is greedy decoding.
@@ -95,6 +133,9 @@ def regenerate(
     (docs/performance.md). Sampled answers are seeded per prompt there (seed + the prompt's index)."""
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    if (engine == "llama.cpp") != (server is not None):
+        raise ValueError("server: engine 'llama.cpp' generates with a LlamaServer on the target's GGUF file, "
+                         "and only it takes one")
     for name, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens),
                         ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -115,14 +156,19 @@ def regenerate(
 
         vllm_python = environment_python(vllm_python)
     settings_path = out / SETTINGS_FILE
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
-        raise ValueError(f"out: {out} holds conversations regenerated with other settings, prompts or target; "
-                         "use another folder")
-    settings_path.write_text(json.dumps(settings, indent=1))
     conversations = out / CONVERSATIONS_FILE
-    done = {r["id"] for r in read_conversations(conversations)} if conversations.is_file() else set()
+    kept = read_conversations(conversations) if conversations.is_file() else []
+    # The prompt set may grow between runs (self-instruct adds instructions): the settings must be
+    # the same but for the prompts' hash, and every answered prompt must still read the same.
+    if settings_path.is_file():
+        before = json.loads(settings_path.read_text())
+        texts = {i: p.text for i, p in zip(ids, prompts)}
+        if not same_settings(before, settings, prompts=False) or any(r["id"] in texts and r["prompt"] != texts[r["id"]] for r in kept):
+            raise ValueError(f"out: {out} holds conversations regenerated with other settings, prompts or target; "
+                             "use another folder")
+    settings_path.write_text(json.dumps(settings, indent=1))
+    done = {r["id"] for r in kept}
     if conversations.is_file():  # rewrite without a cut last line
-        kept = read_conversations(conversations)
         conversations.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     encoded = [encode_prompt(p, tokenizer)[-max_prompt_tokens:] for p in prompts]
@@ -141,9 +187,15 @@ def regenerate(
         sink.write(json.dumps(_record(ids[i], prompts[i], encoded[i], response, stop, tokenizer)) + "\n")
 
     with DeferredInterrupt("the conversations") as interrupt, open(conversations, "a") as sink:
-        if engine == "vllm":
-            for i, response in _vllm_answers(target, vllm_python, encoded, order, max_new_tokens, batch_size,
-                                             temperature, seed, stop):
+        if engine in ("vllm", "llama.cpp"):
+            # Both seed sampled answers per prompt (seed + its index) and batch on their own.
+            if engine == "vllm":
+                stream = _vllm_answers(target, vllm_python, encoded, order, max_new_tokens, batch_size, temperature,
+                                       seed, stop)
+            else:
+                stream = ((order[j], tokens) for j, tokens in server.generate(
+                    [encoded[i] for i in order], max_new_tokens, temperature, [seed + i for i in order], stop))
+            for i, response in stream:
                 write(sink, i, response)
                 sink.flush()
                 generated += len(response)
@@ -249,19 +301,53 @@ def restore_answers(target, tokenizer, prompts: Sequence[Prompt], out_dir: str |
     ids = _prompt_ids(prompts)
     settings = _settings(target, tokenizer, prompts, ids, max_new_tokens, max_prompt_tokens, batch_size,
                          temperature, seed, engine)
-    if exported.get("settings") != settings:
+    by_id = {p_id: (p, encode_prompt(p, tokenizer)[-max_prompt_tokens:]) for p_id, p in zip(ids, prompts)}
+    kept = exported.get("settings", {})
+    if "probe" not in kept.get("target", {}) and engine == "transformers" and temperature == 0:
+        # Written before the probe identity (a hash of weight bytes that no other machine
+        # reproduces): the same settings otherwise, and the answers must be this target's greedy ones.
+        legacy = {k: v for k, v in kept.items() if k != "target"}
+        old_vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:4096]).encode()  # the old tokenizer hash
+        old_target = {"tokenizer": hashlib.sha256(old_vocab).hexdigest()[:16], "vocab_size": len(tokenizer)}
+        answers = [a for a in exported.get("answers", []) if a["id"] in by_id][:_LEGACY_CHECKED_ANSWERS]
+        if legacy != {k: v for k, v in settings.items() if k != "target"} or not answers or \
+                any(kept.get("target", {}).get(k) != v for k, v in old_target.items()) or \
+                _greedy_agreement(target, [(by_id[a["id"]][1], a["response_ids"]) for a in answers]) < _LEGACY_AGREEMENT:
+            raise ValueError("exported: those answers were regenerated with other settings, prompts or target")
+    elif not same_settings(kept, settings):
         raise ValueError("exported: those answers were regenerated with other settings, prompts or target")
     out = Path(out_dir)
     if (out / CONVERSATIONS_FILE).is_file():
         raise ValueError(f"out_dir: {out} already holds conversations; restore into an empty folder")
     out.mkdir(parents=True, exist_ok=True)
-    by_id = {p_id: (p, encode_prompt(p, tokenizer)[-max_prompt_tokens:]) for p_id, p in zip(ids, prompts)}
     stop = _stop_ids(target, tokenizer)
     records = [_record(a["id"], *by_id[a["id"]], list(a["response_ids"]), stop, tokenizer)
                for a in exported["answers"] if a["id"] in by_id]
     (out / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
     return len(records)
+
+
+# A legacy export is accepted when the target's own greedy choice reproduces this share of the
+# tokens of its first few answers (teacher-forced: one forward per answer). The same weights
+# dequantized elsewhere agree on all but near-ties; another model agrees on few.
+_LEGACY_CHECKED_ANSWERS = 8
+_LEGACY_AGREEMENT = 0.98
+
+
+@torch.inference_mode()
+def _greedy_agreement(target, pairs: list[tuple[list[int], list[int]]]) -> float:
+    """Share of answer tokens equal to the target's argmax given the prompt and the answer so far."""
+    device = target.get_input_embeddings().weight.device
+    same = total = 0
+    for prompt, answer in pairs:
+        if not answer:
+            continue
+        ids = torch.tensor([prompt + answer[:-1]], device=device)
+        predicted = target(input_ids=ids).logits[0, len(prompt) - 1 :].argmax(-1).cpu()
+        same += int((predicted == torch.tensor(answer)).sum())
+        total += len(answer)
+    return same / total if total else 0.0
 
 
 def _vllm_answers(target, python: str, encoded: list[list[int]], order: list[int], max_new_tokens: int,

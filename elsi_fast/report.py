@@ -224,9 +224,12 @@ class LayerReport:
         ]
         variance = self.entropy_variance
         if "reduction" in variance:
+            change = variance["reduction"]
+            effect = f"the filter cut it by {100 * change:.1f}%" if change > 0 else \
+                f"the filter raised it by {-100 * change:.1f}%" if change < 0 else "the filter left it unchanged"
             lines.append(
-                f"cross-prompt variance of layer entropy: {variance['unfiltered']:.4g} -> {variance['filtered']:.4g} "
-                f"with the filter ({100 * variance['reduction']:+.1f}% reduction)"
+                f"cross-prompt variance of layer entropy: {variance['unfiltered']:.4g} without the token filter, "
+                f"{variance['filtered']:.4g} with it: {effect}"
             )
         if self.memory:
             gram_tokens = self.options["gram_tokens"]

@@ -377,6 +377,10 @@ def test_filter_reports_variance_with_and_without():
     assert variance["unfiltered"] == pytest.approx(per_layer_unfiltered.mean(), rel=1e-9)
     assert variance["reduction"] == pytest.approx(1 - variance["filtered"] / variance["unfiltered"])
     assert report.memory["gram_store_bytes"] > 0
+    # The table says which way the variance moved, never "-11% reduction" for a rise.
+    line = next(l for l in report.table().splitlines() if l.startswith("cross-prompt variance"))
+    verb = "cut it by" if variance["filtered"] < variance["unfiltered"] else "raised it by"
+    assert f"the filter {verb} {100 * abs(variance['reduction']):.1f}%" in line and "-" not in line.split(":")[-1]
 
 
 def test_bad_inputs():

@@ -209,3 +209,43 @@ def test_vllm_engine_needs_the_target_folder_and_an_environment(tmp_path, monkey
         regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", engine="vllm", vllm_python=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="engine: expected one of transformers, vllm"):
         regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "c", engine="sglang")
+
+
+def _perturbed_copy(scale: float, seed: int = 1):
+    import copy as _copy
+
+    model = _copy.deepcopy(TARGET)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale * p.abs().mean())
+    return model
+
+
+def test_target_identity_survives_float_noise_and_refuses_another_model():
+    """A re-dequantization elsewhere changes weight bytes by rounding, not the model: the identity
+    (config, tokenizer, greedy choices on a probe away from ties) stays; another model's does not."""
+    ours = regen._target_identity(TARGET, TOKENIZER)
+    assert regen.same_target(ours, regen._target_identity(_perturbed_copy(1e-6), TOKENIZER))
+    assert not regen.same_target(ours, regen._target_identity(_perturbed_copy(1.0), TOKENIZER))
+    other = regen._target_identity(TARGET, TOKENIZER)
+    other["vocab_size"] += 1
+    assert not regen.same_target(ours, other)
+
+
+def test_a_legacy_export_restores_only_onto_the_target_whose_greedy_answers_it_holds(tmp_path):
+    regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "a", max_new_tokens=6, batch_size=3, progress=False)
+    exported = regen.export_answers(tmp_path / "a")
+    import hashlib
+
+    old_hash = hashlib.sha256(json.dumps(sorted(TOKENIZER.get_vocab().items())[:4096]).encode()).hexdigest()[:16]
+    exported["settings"]["target"] = {"weights": "2ce0faa5c9f688bd", "tokenizer": old_hash,  # the old form
+                                      "vocab_size": len(TOKENIZER), "chat_template": False}
+    assert regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", exported, max_new_tokens=6) == len(PROMPTS)
+    again = regen.regenerate(TARGET, TOKENIZER, PROMPTS, tmp_path / "b", max_new_tokens=6, batch_size=3, progress=False)
+    assert again["answered_now"] == 0  # the folder continues with the new identity
+    with pytest.raises(ValueError, match="exported: .*other settings"):
+        regen.restore_answers(_perturbed_copy(1.0), TOKENIZER, PROMPTS, tmp_path / "c", exported, max_new_tokens=6)
+    exported["settings"]["target"]["tokenizer"] = "another"
+    with pytest.raises(ValueError, match="exported: .*other settings"):
+        regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "d", exported, max_new_tokens=6)

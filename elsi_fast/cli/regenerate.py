@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 
@@ -32,12 +33,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="only the first N prompts")
-    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
-                        help="who generates: transformers' generate (default) or vLLM's offline engine, about 2x "
-                        "faster on a CPU with the same greedy answers (run from its own environment, --vllm-python)")
+    parser.add_argument("--engine", choices=("transformers", "vllm", "llama.cpp"), default="transformers",
+                        help="who generates: transformers' generate (default), vLLM's offline engine (about 2x "
+                        "faster on a CPU with the same greedy answers, from its own environment, --vllm-python) or "
+                        "llama.cpp's llama-server on the target's GGUF file (--llama-server; its quantized weights "
+                        "can answer differently from the dequantized model)")
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="--engine llama.cpp: the llama-server binary (bench/integration/llamacpp.py build)")
+    parser.add_argument("--slots", type=positive_int, default=16,
+                        help="--engine llama.cpp: parallel sequences of llama-server (default 16)")
     parser.add_argument("--vllm-python", default=None,
                         help="--engine vllm: the Python of the vLLM environment (default: $ELSI_FAST_VLLM_PYTHON, "
                         "else the interpreter of `vllm` on PATH)")
+    parser.add_argument("--self-instruct", type=positive_int, default=None, metavar="N",
+                        help="first let the target write N instructions itself (Magpie: sampled from its chat "
+                        "template's user-turn prefix, duplicates and anything near --eval-prompts dropped) into "
+                        "OUT/instructions.jsonl, then answer them together with --prompts")
+    parser.add_argument("--instruction-temperature", type=float, default=1.0,
+                        help="--self-instruct: temperature of the sampled user turns (default 1.0, as Magpie)")
+    parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
+                        help="--self-instruct: evaluation prompt files (Spec-Bench, MT-bench) that the instructions "
+                        "must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=handler, check=check, interrupted=interrupted)
 
@@ -59,10 +75,39 @@ def check(args: argparse.Namespace) -> None:
             raise UsageError(one_line(exc)) from None
     elif args.vllm_python is not None:
         raise UsageError("--vllm-python: only with --engine vllm")
+    if args.engine == "llama.cpp":
+        if args.llama_server is None or not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
+            raise UsageError(f"--llama-server: --engine llama.cpp needs the llama-server binary, got {args.llama_server}")
+        from ..catalog import is_catalog_name
+
+        if not (is_catalog_name(args.target) or str(args.target).endswith(".gguf")):
+            raise UsageError("--engine: llama.cpp serves a GGUF target (a .gguf file or a named real target)")
+    elif args.llama_server is not None:
+        raise UsageError("--llama-server: only with --engine llama.cpp")
     try:
         args.prompt_list = load_prompts(args.prompts, max_prompts=args.max_prompts)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--prompts: {one_line(exc).removeprefix('prompts: ')}") from None
+    if args.self_instruct is None:
+        if args.eval_prompts is not None:
+            raise UsageError("--eval-prompts: only with --self-instruct")
+        return
+    if not (math.isfinite(args.instruction_temperature) and args.instruction_temperature > 0):
+        raise UsageError(f"--instruction-temperature: must be a number > 0, got {args.instruction_temperature}")
+    if not args.eval_prompts:
+        raise UsageError("--eval-prompts: --self-instruct needs the evaluation prompt files (e.g. Spec-Bench and "
+                         "MT-bench JSONL) so that no instruction comes near them")
+    from ..self_instruct import evaluation_texts
+
+    for path in args.eval_prompts:
+        if not os.path.isfile(path):
+            raise UsageError(f"--eval-prompts: no such file: {path}")
+    try:
+        args.eval_texts = evaluation_texts(args.eval_prompts)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--eval-prompts: not a prompts JSONL: {one_line(exc)}") from None
+    if not args.eval_texts:
+        raise UsageError("--eval-prompts: the files hold no turns")
 
 
 def interrupted(args: argparse.Namespace) -> str:
@@ -73,13 +118,43 @@ def interrupted(args: argparse.Namespace) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
+    model, tokenizer = load_target(args)
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.engine == "llama.cpp":
+            from ..catalog import is_catalog_name, resolve
+            from ..llamacpp_server import LlamaServer
+
+            gguf = resolve(args.target, "--target") if is_catalog_name(args.target) else args.target
+            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots,
+                                                     context=args.max_prompt_tokens + args.max_new_tokens,
+                                                     threads=args.threads))
+        return _generate_all(args, model, tokenizer, server)
+
+
+def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
     from ..regenerate import regenerate
 
-    model, tokenizer = load_target(args)
-    summary = regenerate(model, tokenizer, args.prompt_list, args.out, max_new_tokens=args.max_new_tokens,
+    prompts = args.prompt_list
+    if args.self_instruct is not None:
+        from ..prompts import load_prompts
+        from ..self_instruct import self_instruct
+
+        try:
+            written = self_instruct(model, tokenizer, args.out, args.self_instruct, eval_texts=args.eval_texts,
+                                    temperature=args.instruction_temperature, batch_size=args.batch_size,
+                                    seed=args.seed, progress=not args.no_progress, server=server)
+        except ValueError as exc:
+            raise UsageError(one_line(exc)) from None
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(written["dropped"].items())) or "none"
+        print(f"self-instruct: {written['kept']} instructions kept of {written['sampled']} sampled (dropped: "
+              f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
+              f"{written['path']}")
+        prompts = prompts + load_prompts(written["path"])
+    summary = regenerate(model, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                          temperature=args.temperature, seed=args.seed, progress=not args.no_progress,
-                         engine=args.engine, vllm_python=args.vllm_python)
+                         engine=args.engine, vllm_python=args.vllm_python, server=server)
     print(f"answered {summary['answered_now']} prompts now ({summary['prompts']} in all): {summary['new_tokens']} new "
           f"tokens in {summary['seconds']:.0f} s ({summary['new_tokens_per_s']:.1f} tokens/s); {summary['path']}")
     return 0

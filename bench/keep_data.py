@@ -1,0 +1,84 @@
+"""Keep a `regenerate --self-instruct` folder in the repository compactly, and rebuild it on a fresh clone.
+
+    .venv/bin/python bench/keep_data.py keep runs/data-smollm2 --target smollm2-135m-instruct
+    .venv/bin/python bench/keep_data.py restore runs/data-smollm2 --target smollm2-135m-instruct \
+        --prompts ../shared/data/prompts/train_instructions.jsonl --max-new-tokens 256
+
+`keep` writes bench/results/data/<target>/: `self_instruct.json` (the sampling settings),
+`instructions_raw.jsonl.gz` (every sampled user turn: ids, text, finished; the filter is a function
+of this file), `instructions.jsonl.gz` (the kept ones) and `answers.json.gz` (`export_answers`: ids
+and token ids, no prompt text, with the regenerate settings). `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
+command then continues sampling and answering where the kept run stopped. Plain JSON only: no
+file here can execute code when read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEEP = ROOT / "bench" / "results" / "data"
+
+
+def keep(folder: Path, target: str) -> Path:
+    from elsi_fast.regenerate import SETTINGS_FILE, export_answers
+    from elsi_fast.self_instruct import KEPT_FILE, RAW_FILE
+
+    out = KEEP / target
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
+    for name in (RAW_FILE, KEPT_FILE):
+        with open(folder / name, "rb") as src, gzip.open(out / (name + ".gz"), "wb", mtime=0) as dst:
+            shutil.copyfileobj(src, dst)
+    if (folder / SETTINGS_FILE).is_file():
+        with gzip.open(out / "answers.json.gz", "wt", mtime=0) as f:
+            json.dump(export_answers(folder), f, separators=(",", ":"))
+    return out
+
+
+def restore(folder: Path, target: str, prompts_path: str, max_new_tokens: int) -> None:
+    from elsi_fast.loading import load_model
+    from elsi_fast.prompts import load_prompts
+    from elsi_fast.regenerate import restore_answers
+    from elsi_fast.self_instruct import KEPT_FILE, RAW_FILE
+
+    kept = KEEP / target
+    if (folder / RAW_FILE).exists():
+        raise SystemExit(f"folder: {folder} already holds sampled instructions; restore into a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kept / "self_instruct.json", folder / "self_instruct.json")
+    for name in (RAW_FILE, KEPT_FILE):
+        with gzip.open(kept / (name + ".gz"), "rb") as src, open(folder / name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    model, tokenizer = load_model(target, device="cpu", dtype="float32")
+    prompts = load_prompts(prompts_path) + load_prompts(str(folder / KEPT_FILE))
+    with gzip.open(kept / "answers.json.gz", "rt") as f:
+        exported = json.load(f)
+    engine = exported["settings"].get("engine", "transformers")
+    written = restore_answers(model, tokenizer, prompts, folder, exported, max_new_tokens=max_new_tokens,
+                              engine=engine)
+    print(f"restored {written} answers and the sampled instructions into {folder}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("keep", "restore"))
+    p.add_argument("folder", type=Path)
+    p.add_argument("--target", required=True)
+    p.add_argument("--prompts", help="restore: the --prompts of the kept regenerate run")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="restore: the kept run's --max-new-tokens")
+    args = p.parse_args(argv)
+    if args.action == "keep":
+        print(keep(args.folder, args.target))
+    else:
+        restore(args.folder, args.target, args.prompts, args.max_new_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
