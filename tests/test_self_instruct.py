@@ -137,3 +137,36 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_restore_rebuilds_the_folder_and_continues(tmp_path, capsys):
+    """`regenerate --restore` takes kept answers (here gzipped) made with the same settings, writes
+    them without generating, and answers only the prompts they lack; other settings are refused."""
+    import gzip
+
+    from elsi_fast.cli import main
+
+    target = tmp_path / "t"
+    TARGET.save_pretrained(target)
+    TOKENIZER.save_pretrained(target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [TEXTS[i][:30]]}) + "\n" for i in range(5)))
+    run = ["regenerate", "--target", str(target), "--prompts", str(prompts), "--max-new-tokens", "4", "--no-progress"]
+    assert main(run + ["--out", str(tmp_path / "a"), "--max-prompts", "3"]) == 0
+    with gzip.open(tmp_path / "kept.json.gz", "wt") as f:
+        json.dump(regen.export_answers(tmp_path / "a"), f)
+    capsys.readouterr()
+    assert main(run + ["--out", str(tmp_path / "a"), "--restore", str(tmp_path / "kept.json.gz")]) == 2
+    assert "--restore: " in (err := capsys.readouterr().err) and "already holds conversations" in err
+    assert main(run + ["--out", str(tmp_path / "b"), "--max-prompts", "3", "--restore", str(tmp_path / "kept.json.gz")]) == 0
+    assert "restored 3 answers" in capsys.readouterr().out
+    assert main(run + ["--out", str(tmp_path / "b"), "--restore", str(tmp_path / "kept.json.gz")]) == 2  # b has them now
+    assert main(run + ["--out", str(tmp_path / "c"), "--max-prompts", "3", "--max-new-tokens", "5",
+                       "--restore", str(tmp_path / "kept.json.gz")]) == 2
+    assert "--restore: those answers were regenerated with other settings" in capsys.readouterr().err
+    assert not (tmp_path / "c" / regen.CONVERSATIONS_FILE).exists()
+    assert main(run + ["--out", str(tmp_path / "b")]) == 0  # continues with the two prompts not kept
+    assert len(regen.read_conversations(tmp_path / "b" / regen.CONVERSATIONS_FILE)) == 5
+    a = {r["id"]: r for r in regen.read_conversations(tmp_path / "a" / regen.CONVERSATIONS_FILE)}
+    b = {r["id"]: r for r in regen.read_conversations(tmp_path / "b" / regen.CONVERSATIONS_FILE)}
+    assert all(b[i] == a[i] for i in a)

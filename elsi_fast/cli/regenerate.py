@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
                         help="--self-instruct: evaluation prompt files (Spec-Bench, MT-bench) that the instructions "
                         "must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
+    parser.add_argument("--restore", default=None, metavar="ANSWERS_JSON",
+                        help="first rebuild OUT from kept answers (export_answers output, .json or .json.gz) made "
+                        "with these same settings and prompts, on this or another machine, then continue")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=handler, check=check, interrupted=interrupted)
 
@@ -88,6 +91,22 @@ def check(args: argparse.Namespace) -> None:
         args.prompt_list = load_prompts(args.prompts, max_prompts=args.max_prompts)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--prompts: {one_line(exc).removeprefix('prompts: ')}") from None
+    if args.restore is not None:
+        if not os.path.isfile(args.restore):
+            raise UsageError(f"--restore: no such file: {args.restore}")
+        if os.path.isfile(os.path.join(args.out, CONVERSATIONS_FILE)):
+            raise UsageError(f"--restore: {args.out} already holds conversations; restore into a new --out")
+        import gzip
+        import json
+
+        try:
+            with (gzip.open if args.restore.endswith(".gz") else open)(args.restore, "rt") as f:
+                args.restored = json.load(f)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--restore: not a JSON export of answers: {one_line(exc)}") from None
+        if not isinstance(args.restored, dict) or not isinstance(args.restored.get("answers"), list) \
+                or not isinstance(args.restored.get("settings"), dict):
+            raise UsageError("--restore: expected {\"settings\": ..., \"answers\": [...]} (export_answers output)")
     if args.self_instruct is None:
         if args.eval_prompts is not None:
             raise UsageError("--eval-prompts: only with --self-instruct")
@@ -151,6 +170,17 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
+    if args.restore is not None:
+        from ..regenerate import restore_answers
+
+        try:
+            written = restore_answers(model, tokenizer, prompts, args.out, args.restored,
+                                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                                      batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
+                                      engine=args.engine)
+        except ValueError as exc:
+            raise UsageError(f"--restore: {one_line(exc).removeprefix('exported: ')}") from None
+        print(f"restored {written} answers from {args.restore}")
     summary = regenerate(model, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                          temperature=args.temperature, seed=args.seed, progress=not args.no_progress,
