@@ -27,19 +27,15 @@ def cpu_model() -> str:
     Read on every call: a result row must name the machine it was measured on, and sessions move
     between Intel and AMD hosts.
     """
-    model, flags = platform.processor() or platform.machine(), set()
+    from elsi_fast._backends import cpu_flags
+
+    model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                    break
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
+    flags = cpu_flags()
     isa = [name for name, flag in (("avx512", "avx512f"), ("vnni", "avx512_vnni"), ("bf16", "avx512_bf16"),
                                    ("amx", "amx_tile"), ("avx2", "avx2")) if flag in flags]
     return f"{model} [{' '.join(isa) or 'no avx2'}]"

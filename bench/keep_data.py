@@ -33,11 +33,12 @@ def keep(folder: Path, target: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
     for name in (RAW_FILE, KEPT_FILE):
-        with open(folder / name, "rb") as src, gzip.open(out / (name + ".gz"), "wb", mtime=0) as dst:
+        # mtime 0: the same data gives the same bytes, so a re-keep leaves git nothing to commit
+        with open(folder / name, "rb") as src, gzip.GzipFile(out / (name + ".gz"), "wb", mtime=0) as dst:
             shutil.copyfileobj(src, dst)
     if (folder / SETTINGS_FILE).is_file():
-        with gzip.open(out / "answers.json.gz", "wt", mtime=0) as f:
-            json.dump(export_answers(folder), f, separators=(",", ":"))
+        with gzip.GzipFile(out / "answers.json.gz", "wb", mtime=0) as f:
+            f.write(json.dumps(export_answers(folder), separators=(",", ":")).encode())
     return out
 
 

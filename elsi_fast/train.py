@@ -28,6 +28,7 @@ from .capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .draft import Eagle3Config, Eagle3Draft
 from .feature_cache import samples_fingerprint
 from .interrupt import DeferredInterrupt
+from .native_names import TRAINING_PRECISIONS
 from .pass_state import rank_and_world
 from .state_files import load_state, save_state
 from .training_data import Sample, pad_samples, token_stream
@@ -42,6 +43,23 @@ TTT_DECAY = 0.8
 # longest: on the 800 SmolLM2 training conversations a random batch of 16 padded as one is 70% real
 # tokens, in groups of 4 it is 91%, with the same loss and gradient (the groups' gradients add up).
 MICRO_BATCH = 4
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def training_precision(precision: str, device: torch.device) -> str:
+    """What `precision` means on `device`: "auto" is bf16 autocast on a GPU with bf16 and on a CPU
+    that multiplies bf16 natively (AVX512-BF16, AMX), where a step runs about 1.7x faster
+    (bench/bench_train.py), and fp32 elsewhere (AVX2: bf16 there is emulated). Under bf16 the
+    master weights, the optimizer, norms, softmax and the loss stay fp32 (torch.autocast)."""
+    if precision not in TRAINING_PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(TRAINING_PRECISIONS)}, got {precision!r}")
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    from ._backends import native_bf16_cpu
+
+    return "bfloat16" if device.type == "cpu" and native_bf16_cpu() else "float32"
 
 
 def draft_vocab_ids(token_ids: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
@@ -307,6 +325,8 @@ def train_draft(
     init: str = "random",
     feature_cache: "FeatureCache | None" = None,
     save_every: int = 50,
+    keep_steps: Sequence[int] = (),
+    precision: str = "auto",
     resume: bool = True,
     progress: bool = True,
 ) -> Eagle3Draft:
@@ -323,8 +343,12 @@ def train_draft(
     takes its share of every step's batch and the gradients are summed, which gives the weights of
     one process on the same batches (to float tolerance). The training state is saved to `out_dir`
     every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt is
-    raised); with `resume` a rerun continues from it. Returns the trained draft in eval mode; the
-    EAGLE3 checkpoint and `train_summary.json` are in `out_dir` (written by rank 0).
+    raised); with `resume` a rerun continues from it. keep_steps: steps whose draft is also kept,
+    in `out_dir/checkpoints/step-NNNNNN/` (EAGLE3 folders: a curve of tau against tokens seen).
+    precision: "auto", "float32" or "bfloat16" (`training_precision`); it is not part of the
+    settings a resume checks, so a run moved to another machine continues at that machine's.
+    Returns the trained draft in eval mode; the EAGLE3 checkpoint and `train_summary.json` are in
+    `out_dir` (written by rank 0).
     """
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 3),
                              ("ttt_steps", ttt_steps, 1), ("save_every", save_every, 1), ("warmup", warmup, 0)):
@@ -337,6 +361,8 @@ def train_draft(
     rank, world = rank_and_world()
     if batch_size % world:
         raise ValueError(f"batch_size: the global batch of {batch_size} does not split over {world} processes")
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= steps for k in keep_steps):
+        raise ValueError(f"keep_steps: expected steps in 1..{steps}, got {list(keep_steps)}")
     layers = _check_layers(target, layers)
     vocab_size = target.config.vocab_size
     draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
@@ -347,6 +373,8 @@ def train_draft(
 
     source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
     vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
+    # A token outside the draft vocabulary can never be drafted: the share inside caps acceptance.
+    coverage = float(torch.isin(predicted, vocab_ids).float().mean()) if predicted.numel() else 1.0
     config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
     torch.manual_seed(seed)
     embed = target.get_input_embeddings().weight.detach()
@@ -355,6 +383,7 @@ def train_draft(
     if init == "target":
         init_from_target(draft, target)
     device = embed.device
+    requested_precision, precision = precision, training_precision(precision, device)
     draft.to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -381,6 +410,8 @@ def train_draft(
                         "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
                         "step": step, "history": history}, state_path)
             draft.save_pretrained(out)
+            if step in keep_steps:
+                draft.save_pretrained(out / CHECKPOINTS_DIR / f"step-{step:06d}")
 
     from tqdm.auto import tqdm
 
@@ -389,7 +420,7 @@ def train_draft(
     draft.train()
     local = batch_size // world
     tokens_seen, step_seconds = 0, 0.0
-    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} (threads: {torch.get_num_threads()})",
+    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} ({precision}, threads: {torch.get_num_threads()})",
                disable=not progress or rank != 0)
     # Ctrl-C mid-step would leave the draft and its optimizer out of step: it waits for the step's
     # end, where the state is saved.
@@ -405,7 +436,8 @@ def train_draft(
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
                 for (aux, next_ids, probs, rows, group_tokens), group_positions in zip(groups, positions):
-                    step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+                        step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
                     loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
                     loss.backward()  # each group's loss is over the global row counts: the gradients add up
                     sums = [a + b for a, b in zip(sums, group_sums)]
@@ -426,7 +458,7 @@ def train_draft(
                 step_seconds += time.perf_counter() - began
                 bar.update(1)
                 bar.set_postfix(loss=f"{weighted:.3f}", top1=f"{top1:.2f}", tok_s=f"{tokens_seen / step_seconds:.0f}")
-                if step % save_every == 0 or step == steps or interrupt.requested:
+                if step % save_every == 0 or step == steps or step in keep_steps or interrupt.requested:
                     save()
                 interrupt.raise_if_requested()
     finally:
@@ -434,7 +466,7 @@ def train_draft(
         target.train(was_training)
     draft.eval()
     if rank == 0:
-        summary = {**run_args, "seconds_this_run": time.perf_counter() - start_time,
+        summary = {**run_args, "draft_vocab_coverage": coverage, "precision": requested_precision, "precision_this_run": precision, "seconds_this_run": time.perf_counter() - start_time,
                    "tokens_per_second_this_run": tokens_seen / step_seconds if step_seconds else None,
                    "final_loss": history[-1]["loss"], "history": history}
         (out / SUMMARY_FILE).write_text(json.dumps(summary))

@@ -78,6 +78,8 @@ def _bad_inputs(t: dict, tmp) -> list[tuple[list[str], str]]:
         (["analyze", "--model", "smollm2-135m-instruct"] + analyze[3:] + ["--m", "30"], "--m: each set size must be at most 29"),
         (train[:2] + [str(truncated_gguf)] + train[3:] + ["--layers", "1"], "--target: "),
         (train + ["--report", str(truncated)], f"--report: {truncated} is not valid JSON"),
+        (train + ["--layers", "1", "--steps", "10", "--keep-steps", "5", "20"], "--keep-steps: steps past --steps 10: [20]"),
+        (train + ["--layers", "1", "--precision", "fp16"], "--precision"),
         (train + ["--report", str(tmp / "none.json")], "--report: no such file"),
         (train + ["--layers", "-1"], "--layers"),
         (train + ["--layers", "1", "--lr", "0"], "--lr"),

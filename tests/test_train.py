@@ -128,6 +128,14 @@ def test_conversations_train_on_answer_tokens_only(samples, tmp_path):
     answers = torch.cat([s.ids[s.loss_mask] for s in samples])
     expected = draft_vocab_ids(answers, TARGET.config.vocab_size, CONVERSATION_ARGS["draft_vocab_size"])
     assert torch.equal(draft.draft_to_target(torch.arange(len(expected))), expected)
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert summary["draft_vocab_coverage"] == pytest.approx(float(torch.isin(answers, expected).float().mean()))
+    small = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "small",
+                        **{**CONVERSATION_ARGS, "steps": 1, "draft_vocab_size": 8})
+    covered = torch.isin(answers, small.draft_to_target(torch.arange(8))).float().mean()
+    assert 0 < float(covered) < 1
+    small_summary = json.loads((tmp_path / "small" / "train_summary.json").read_text())
+    assert small_summary["draft_vocab_coverage"] == pytest.approx(float(covered))
     assert all(h["tokens"] > 0 for h in history)
     # a batch's rows are exactly those whose predicted token lies in an answer
     source = train_mod._SampleBatches(samples, None, None)
@@ -251,3 +259,53 @@ def test_warm_start_from_a_gemma3_block_keeps_the_layer_random_and_takes_norm_pl
     torch.testing.assert_close(draft.norm.weight, target.model.norm.weight + 1.0, rtol=0, atol=0)
     rows = draft.draft_to_target(torch.arange(40))
     torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight[rows], rtol=0, atol=0)
+
+
+def test_bf16_autocast_follows_the_fp32_loss_curve_with_fp32_master_weights(samples, tmp_path):
+    """precision="bfloat16": the GEMMs in bf16, the weights, optimizer and loss in fp32; on a tiny
+    draft the loss curve stays within bf16 rounding of the fp32 run's and the draft learns."""
+    args = {**CONVERSATION_ARGS, "steps": 12}
+    curves = {}
+    for precision in ("float32", "bfloat16"):
+        draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / precision,
+                            **{**args, "precision": precision})
+        summary = json.loads((tmp_path / precision / "train_summary.json").read_text())
+        assert summary["precision_this_run"] == precision and summary["precision"] == precision
+        assert all(p.dtype == torch.float32 for p in draft.parameters())
+        curves[precision] = [h["loss"] for h in summary["history"]]
+    assert curves["bfloat16"] == pytest.approx(curves["float32"], rel=2e-2)
+    assert curves["bfloat16"] != curves["float32"]  # the bf16 GEMMs did run
+    assert curves["bfloat16"][-1] < curves["bfloat16"][0]
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    from elsi_fast import _backends
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_backends, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert train_mod.training_precision("auto", cpu) == "float32"
+    monkeypatch.setattr(_backends, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert train_mod.training_precision("auto", cpu) == "bfloat16"
+    assert train_mod.training_precision("float32", cpu) == "float32"
+    with pytest.raises(ValueError, match="precision: expected one of auto, float32, bfloat16"):
+        train_mod.training_precision("fp16", cpu)
+
+
+def test_keep_steps_keep_the_draft_of_those_steps(samples, tmp_path):
+    """Each kept folder holds the draft of its step, not the last one: the same as another run's
+    at that step whatever its save_every, and other than the final weights."""
+    args = {**CONVERSATION_ARGS, "steps": 6}
+    train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "long", keep_steps=(2, 5), **args)
+    kept = sorted(p.name for p in (tmp_path / "long" / "checkpoints").iterdir())
+    assert kept == ["step-000002", "step-000005"]
+    from safetensors.torch import load_file
+
+    weights = {name: load_file(tmp_path / "long" / "checkpoints" / name / "model.safetensors") for name in kept}
+    final = load_file(tmp_path / "long" / "model.safetensors")
+    assert all(any(not torch.equal(w[name], final[name]) for name in final) for w in weights.values())
+    state = tmp_path / "other"
+    train_draft(TARGET, TOKENIZER, [2], samples, out_dir=state, keep_steps=(2,), **{**args, "save_every": 2})
+    assert all(torch.equal(load_file(state / "checkpoints" / "step-000002" / "model.safetensors")[name], tensor)
+               for name, tensor in weights["step-000002"].items())
+    with pytest.raises(ValueError, match="keep_steps: expected steps in 1..6"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad", keep_steps=(7,), **args)

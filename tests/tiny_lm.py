@@ -38,7 +38,7 @@ def _target():
 TARGET = _target()
 SMALL = dict(draft_vocab_size=96, batch_size=4, seq_len=24, lr=3e-3, warmup=2, ttt_steps=2,
              draft_config={"intermediate_size": 24, "num_attention_heads": 2, "num_key_value_heads": 1},
-             progress=False)
+             precision="float32", progress=False)  # the fp32 math on every CPU (bf16: test_train.py)
 
 
 def conversation_samples_of_tiny_target(tmp_dir, count: int = 12, max_new_tokens: int = 12):

@@ -7,7 +7,7 @@ import json
 import math
 import os
 
-from ..native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES
+from ..native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES, TRAINING_PRECISIONS
 from . import UsageError, one_line, positive_int
 from ..loading import DTYPES
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
@@ -61,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
                        help="precision of the dumped states (default float32: the same loss as online training)")
     train.add_argument("--max-cache-gb", type=float, default=32.0, help="refuse a cache larger than this (default 32)")
+    train.add_argument("--precision", choices=TRAINING_PRECISIONS, default="auto",
+                       help="auto: bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16, AMX) or on a "
+                       "GPU, fp32 elsewhere; fp32 master weights and loss either way (default auto)")
+    train.add_argument("--keep-steps", type=positive_int, nargs="+", default=(),
+                       help="also keep the draft at these steps, in OUT/checkpoints/step-NNNNNN (a tau curve)")
     train.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a training state")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=train_handler, check=train_check, interrupted=train_interrupted)
@@ -150,6 +155,9 @@ def train_check(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
+    late = [step for step in args.keep_steps if step > args.steps]
+    if late:
+        raise UsageError(f"--keep-steps: steps past --steps {args.steps}: {late}")
     args.layer_ids = list(args.layers) if args.layers is not None else _layers_from_report(args.report, args.method, args.m)
     missing = sorted(set(args.layer_ids) - set(args.cache_layers)) if args.cache_layers else []
     if missing:
@@ -196,14 +204,16 @@ def train_handler(args: argparse.Namespace) -> int:
         model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        init=args.init, feature_cache=cache, save_every=args.save_every, resume=not args.no_resume,
+        init=args.init, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
+        precision=args.precision, resume=not args.no_resume,
         progress=not args.no_progress,
     )
     if rank_and_world()[0] == 0:
         with open(os.path.join(args.out, "train_summary.json")) as f:
             summary = json.load(f)
         print(f"trained draft on layers {list(draft.config.aux_layer_ids)} (input-to-layer): final loss "
-              f"{summary['final_loss']:.4f}, {summary['tokens_per_second_this_run'] or 0:.0f} tokens/s; EAGLE3 "
+              f"{summary['final_loss']:.4f}, {summary['tokens_per_second_this_run'] or 0:.0f} tokens/s "
+              f"({summary['precision_this_run']}); EAGLE3 "
               f"checkpoint in {args.out}")
     return 0
 

@@ -205,24 +205,27 @@ def _allowed_mask(num_new: int, past: int, window: int | None, device: torch.dev
     return allowed
 
 
-def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor], window: int | None = None) -> Tensor:
+def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor], window: int | None = None,
+                start: int = 0) -> Tensor:
     """Training-time-test attention for step i = len(keys) - 1.
 
     Query (step i, position t) attends step-0 keys at positions <= t (and > t - window with a
-    sliding window) and step-j keys (1 <= j <= i) at position t only. q [B, H, T, hd]; keys[j],
-    values[j] [B, KV, T, hd]. Returns [B, T, H * hd].
+    sliding window) and step-j keys (1 <= j <= i) at position t only. q [B, H, T - start, hd] at
+    positions start..T-1; keys[0], values[0] [B, KV, T, hd]; keys[j], values[j] (j >= 1) [B, KV,
+    T - start, hd] at q's positions. Returns [B, T - start, H * hd].
     """
     b, h, t, hd = q.shape
     kv = keys[0].shape[1]
     qg = q.reshape(b, kv, h // kv, t, hd)
     acc = _accumulate_dtype(q.dtype)
-    causal = _allowed_mask(t, 0, window, q.device)
+    causal = _allowed_mask(t, start, window, q.device)
     dense = torch.matmul(qg, keys[0].unsqueeze(2).transpose(-1, -2)).to(acc).masked_fill(~causal, float("-inf"))
     diagonal = [(qg * k.unsqueeze(2)).sum(-1, keepdim=True).to(acc) for k in keys[1:]]
     probs = torch.softmax(torch.cat([dense, *diagonal], dim=-1) / math.sqrt(hd), dim=-1).to(values[0].dtype)
-    out = torch.matmul(probs[..., :t], values[0].unsqueeze(2))
+    width = start + t
+    out = torch.matmul(probs[..., :width], values[0].unsqueeze(2))
     for j, v in enumerate(values[1:]):
-        out = out + probs[..., t + j : t + j + 1] * v.unsqueeze(2)
+        out = out + probs[..., width + j : width + j + 1] * v.unsqueeze(2)
     return out.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
 
 
@@ -387,7 +390,9 @@ class Eagle3Draft(nn.Module):
         label_rows [B, T] bool (training: the rows whose label is in the loss): the head then runs
         only where a loss needs it, and step i returns [n_i, draft_vocab] logits at positions
         (b, s - i) for the (b, s) of ``label_rows.nonzero()`` with s >= i, in that order (the head
-        is about half a step's work, and prompt and padding rows are most of a batch).
+        is about half a step's work, and prompt and padding rows are most of a batch). Steps i >= 1
+        then also skip the positions before the first label row less num_steps - 1, which no loss
+        reads (a conversation's prompt): only step 0's keys are attended there.
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
@@ -398,10 +403,12 @@ class Eagle3Draft(nn.Module):
         keys: list[Tensor] = []
         values: list[Tensor] = []
 
+        start = 0  # the first position steps >= 1 compute
+
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             keys.append(k)
             values.append(v)
-            return _ttt_attend(q, keys, values, self.config.sliding_window)
+            return _ttt_attend(q, keys, values, self.config.sliding_window, start)
 
         if label_rows is not None and label_rows.shape != next_ids.shape:
             raise ValueError(f"label_rows: expected shape {list(next_ids.shape)}, got {list(label_rows.shape)}")
@@ -410,14 +417,19 @@ class Eagle3Draft(nn.Module):
         ids = next_ids
         for step in range(num_steps):
             if step:
-                ids = F.pad(next_ids[:, step:], (0, step), value=0)
-            out = self._layer(hidden, ids, positions + step, attend)
+                ids = F.pad(next_ids[:, start + step :], (0, step), value=0)
+            out = self._layer(hidden, ids, positions[start:] + step, attend)
             if label_rows is None:
                 step_logits, hidden = self._head(out)
             else:
                 keep = label_t >= step
-                step_logits, hidden = self._head(out, (label_b[keep], label_t[keep] - step))
+                step_logits, hidden = self._head(out, (label_b[keep], label_t[keep] - step - start))
             logits.append(step_logits)
+            if step == 0 and label_rows is not None and num_steps > 1 and label_t.numel():
+                # Step i reads step i-1's output at its own position only: the later steps need
+                # positions from the first label row's (the last step's logits) on.
+                start = max(0, int(label_t.min()) - (num_steps - 1))
+                hidden = hidden[:, start:]
         return logits
 
     def draft_to_target(self, ids: Tensor) -> Tensor:

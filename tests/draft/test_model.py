@@ -278,11 +278,14 @@ def test_ttt_forward_with_label_rows_gives_the_full_logits_at_those_rows(name):
     aux, ids = random_inputs(cfg, 3, 7)
     full = draft.ttt_forward(aux, ids, num_steps=3)
     rows = torch.rand(3, 7, generator=torch.Generator().manual_seed(4)) > 0.5
-    packed = draft.ttt_forward(aux, ids, num_steps=3, label_rows=rows)
-    for step, (got, want) in enumerate(zip(packed, full)):
-        expected = [want[b, s - step] for b, s in rows.nonzero().tolist() if s >= step]
-        assert got.shape == (len(expected), cfg.draft_vocab_size)
-        torch.testing.assert_close(got, torch.stack(expected), rtol=1e-12, atol=1e-12)
+    late = torch.zeros(3, 7, dtype=torch.bool)  # a prompt of 5: the later steps skip positions 0..2
+    late[0, 5:], late[1, 6:], late[2, 5] = True, True, True
+    for selected in (rows, late):
+        packed = draft.ttt_forward(aux, ids, num_steps=3, label_rows=selected)
+        for step, (got, want) in enumerate(zip(packed, full)):
+            expected = [want[b, s - step] for b, s in selected.nonzero().tolist() if s >= step]
+            assert got.shape == (len(expected), cfg.draft_vocab_size)
+            torch.testing.assert_close(got, torch.stack(expected), rtol=1e-12, atol=1e-12)
     empty = draft.ttt_forward(aux, ids, num_steps=2, label_rows=torch.zeros(3, 7, dtype=torch.bool))
     assert [tuple(s.shape) for s in empty] == [(0, cfg.draft_vocab_size)] * 2
     with pytest.raises(ValueError, match="label_rows"):

@@ -1,0 +1,183 @@
+"""A long, resumable draft training run on the target's own conversations, with a tau curve.
+
+    python -m bench.draft_long_run [--model smollm2-135m-instruct] [--set elsi-m1] [--steps 1000]
+                                   [--stages cache train curve]
+
+Data: the `elsi-fast regenerate --self-instruct` folder `--data` (the target's instructions and
+greedy answers). 200 of its conversations (chosen by a seeded shuffle) are held out: never trained
+on, they measure tau on unseen instructions of the training distribution; 200 of the training ones
+measure it held-in. The third set is the 480 Spec-Bench prompts with the target's greedy 128-token
+continuations, restored from the draft experiment's kept answers (the same continuations
+`eval-draft --max-new-tokens 128` generates, so the replayed tau is the live one; docs/method.md).
+
+Stages, each resumable:
+- cache: one bfloat16 feature cache of the training conversations for the layer set, and one per
+  evaluation set (`elsi_fast.feature_cache`);
+- train: `train_draft` from the cache, its drafts kept at log-spaced steps (`keep_steps`);
+- curve: every kept draft replayed on the three sets (k = 1..5), one row per (step, set) in
+  bench/results/draft_long_run_cpu.jsonl (rows already there are skipped), and the plot
+  docs/img/<model>_long_run_tau.png.
+Work goes to runs/long-run/<model>/; Ctrl-C stops at the end of a step and a rerun continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from bench.common import device_name, record
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "draft_long_run_cpu"
+KEEP = ROOT / "bench" / "results" / "draft_experiment"  # sets.json and eval.answers.json per model
+MAX_TOKENS = 512
+HELD = 200  # conversations in each of the held-in and held-out sets
+KS = (1, 2, 3, 4, 5)
+RECIPE = {"init": "random", "draft_vocab_size": 4096, "ttt_steps": 3, "batch_size": 16, "lr": 3e-3}
+
+
+def split(records: list[dict], seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """(training, held-in, held-out) conversations: HELD held out by a seeded shuffle, HELD of the rest."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    held_out = sorted(order[:HELD])
+    train = [records[i] for i in sorted(order[HELD:])]
+    held_in = [train[i] for i in sorted(random.Random(seed + 1).sample(range(len(train)), HELD))]
+    return train, held_in, [records[i] for i in held_out]
+
+
+def keep_steps(steps: int, points: int = 8) -> list[int]:
+    """About `points` log-spaced steps up to `steps` (the last one included)."""
+    first = max(1, steps // 2 ** (points - 1))
+    return sorted({min(steps, round(first * (steps / first) ** (i / (points - 1)))) for i in range(points)})
+
+
+def _spec_bench(model, tokenizer, work: Path, keep: Path) -> list[dict]:
+    from elsi_fast.prompts import load_prompts
+    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, restore_answers
+
+    folder = work / "spec-bench"
+    if not (folder / CONVERSATIONS_FILE).is_file():
+        prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"))
+        exported = json.loads((keep / "eval.answers.json").read_text())
+        restore_answers(model, tokenizer, prompts, folder, exported, max_new_tokens=128, max_prompt_tokens=512)
+    return read_conversations(folder / CONVERSATIONS_FILE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--data", default=str(ROOT / "runs" / "data-smollm2"))
+    parser.add_argument("--set", default="elsi-m1", help="a layer set of the draft experiment's sets.json")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
+    parser.add_argument("--note", default="", help="conditions to record in the rows (e.g. another job beside)")
+    args = parser.parse_args()
+
+    import torch
+
+    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
+    from elsi_fast.feature_cache import build
+    from elsi_fast.loading import load_model
+    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations
+    from elsi_fast.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
+    from elsi_fast.training_data import conversation_samples
+
+    keep = KEEP / args.model
+    layers = json.loads((keep / "sets.json").read_text())[args.set]
+    work = ROOT / "runs" / "long-run" / args.model
+    cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}"
+    model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
+                                  device_argument="--device", progress=False)
+    records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
+    train, held_in, held_out = split(records, args.seed)
+    samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
+    evaluation = {"held-in": held_in, "held-out": held_out, "spec-bench": _spec_bench(model, tokenizer, work, keep)}
+    caches = {}
+    if "cache" in args.stages or "train" in args.stages:
+        # The training states come from the target in bf16 where the CPU multiplies bf16 natively
+        # (1.7x the fp32 forward; the cache holds bf16 either way); the evaluation sets' from the
+        # fp32 target, which is what eval-draft decodes with.
+        dumper = model
+        if training_precision("auto", torch.device("cpu")) == "bfloat16":
+            dumper = load_model(args.model, device="cpu", dtype="bfloat16", argument="--model",
+                                device_argument="--device", progress=False)[0]
+        caches["train"] = build(dumper, samples, layers, work / f"cache-train-{'-'.join(map(str, layers))}-{str(dumper.dtype).removeprefix('torch.')}",
+                                dtype="bfloat16", max_bytes=40 * 2**30)
+        del dumper
+    kept_steps = keep_steps(args.steps)
+    if "train" in args.stages:
+        train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
+                    warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
+                    keep_steps=tuple(kept_steps), **RECIPE)
+    if "curve" not in args.stages:
+        return
+    for name, rows in evaluation.items():
+        caches[name] = build(model, continuation_samples(rows), layers, work / f"cache-{name}-{'-'.join(map(str, layers))}",
+                             dtype="bfloat16", progress=False)
+    summary_path = cell / SUMMARY_FILE
+    history = json.loads(summary_path.read_text())["history"] if summary_path.is_file() else []
+    tokens_at = {h["step"]: sum(x["tokens"] for x in history[: h["step"]]) for h in history}
+    results = ROOT / "bench" / "results" / f"{RESULTS}.jsonl"
+    done = set()
+    if results.is_file():
+        for line in results.read_text().splitlines():
+            p = json.loads(line)["params"]
+            done.add((p["cell"], p["step"], p["set"]))
+    embed = model.get_input_embeddings().weight.detach()
+    device = device_name("cpu")
+    for step in kept_steps:
+        folder = cell / CHECKPOINTS_DIR / f"step-{step:06d}"
+        if not folder.is_dir():
+            continue
+        draft = Eagle3Draft.from_pretrained(folder, embed).eval()
+        for name, rows in evaluation.items():
+            if (cell.name, step, name) in done:
+                continue
+            with torch.inference_mode():
+                runs = replay_runs_per_k(draft, rows, caches[name], KS, batch_size=16)
+            for k in KS:
+                tau = pooled_tau(runs[k])
+                if k == 4:
+                    print(f"step {step} ({tokens_at.get(step, 0)} tokens) {name}: tau(k=4) {tau['all']:.3f}")
+                record(RESULTS, "draft_long_run", f"tau_k{k}", tau["all"], "tokens/forward", device=device,
+                       params={"model": args.model, "cell": cell.name, "set": name, "layers": layers, "step": step,
+                               "tokens_seen": tokens_at.get(step), "conversations": len(train),
+                               "prompts": sum(len(v) for v in runs[k].values()), "recipe": RECIPE,
+                               "steps": args.steps, "per_category": tau, "note": args.note, "pooled": True})
+    _plot(results, args.model)
+
+
+def _plot(results: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    rows = [r for r in rows if r["metric"] == "tau_k4" and r["params"]["model"] == model and r["params"]["tokens_seen"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cell in sorted({r["params"]["cell"] for r in rows}):
+        for name, style in (("held-in", ":"), ("held-out", "--"), ("spec-bench", "-")):
+            points = sorted((r["params"]["tokens_seen"], r["value"]) for r in rows
+                            if r["params"]["cell"] == cell and r["params"]["set"] == name)
+            if points:
+                ax.plot(*zip(*points), style, marker="o", label=f"{cell} {name}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("tau at k=4 (tokens per target forward)")
+    ax.set_title(f"{model}: tau against training tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    out = ROOT / "docs" / "img" / f"{model.split('-')[0]}_long_run_tau.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
+if __name__ == "__main__":
+    main()
