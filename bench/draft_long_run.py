@@ -74,6 +74,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
+    parser.add_argument("--curve-sets", nargs="+", default=["held-in", "held-out", "spec-bench"],
+                        help="the evaluation sets the curve stage replays")
+    parser.add_argument("--curve-steps", type=int, nargs="+", default=None,
+                        help="only these kept steps (default: every kept one)")
     parser.add_argument("--note", default="", help="conditions to record in the rows (e.g. another job beside)")
     args = parser.parse_args()
 
@@ -116,6 +120,7 @@ def main() -> None:
                     keep_steps=tuple(kept_steps), **RECIPE)
     if "curve" not in args.stages:
         return
+    evaluation = {name: rows for name, rows in evaluation.items() if name in args.curve_sets}
     for name, rows in evaluation.items():
         caches[name] = build(model, continuation_samples(rows), layers, work / f"cache-{name}-{'-'.join(map(str, layers))}",
                              dtype="bfloat16", progress=False)
@@ -130,7 +135,7 @@ def main() -> None:
             done.add((p["cell"], p["step"], p["set"]))
     embed = model.get_input_embeddings().weight.detach()
     device = device_name("cpu")
-    for step in kept_steps:
+    for step in args.curve_steps or kept_steps:
         folder = cell / CHECKPOINTS_DIR / f"step-{step:06d}"
         if not folder.is_dir():
             continue
