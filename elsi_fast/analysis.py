@@ -65,6 +65,7 @@ def analyze(
     drop_special_tokens: bool = DEFAULTS.drop_special_tokens,
     normalize: str = DEFAULTS.normalize,
     gram_tokens: int | None = DEFAULTS.gram_tokens,
+    max_store_bytes: int | None = DEFAULTS.max_store_bytes,
     gram_dtype: str = DEFAULTS.gram_dtype,
     candidates: Sequence[int] | None = DEFAULTS.candidates,
     beta: float = DEFAULTS.beta,
@@ -94,6 +95,9 @@ def analyze(
     Every setting's default is `analysis_options.AnalyzeOptions`'s.
     gram_tokens: None (prompt mode as docs/method.md section 3 defines it: all kept tokens) or a
     cap, evenly spaced tokens.
+    max_store_bytes: None, or a bound on the prompt-mode spill file (on disk, `gram_dtype`): where
+    all kept tokens could exceed it, gram_tokens becomes the largest cap that fits
+    (`fitting_gram_tokens`), and the report's options and store line say so.
     gram_dtype: precision of the spilled prompt-mode vectors ("float32" or "float64"); every
     statistic is computed in float64.
     screen_z: width of the set searches' screen in standard errors (inf: every candidate set is
@@ -117,6 +121,7 @@ def analyze(
         drop_special_tokens=drop_special_tokens,
         normalize=normalize,
         gram_tokens=gram_tokens,
+        max_store_bytes=max_store_bytes,
         gram_dtype=gram_dtype,
         candidates=None if candidates is None else tuple(int(c) for c in candidates),
         beta=float(beta),
@@ -136,6 +141,11 @@ def analyze(
     input_device = model.get_input_embeddings().weight.device
 
     token_ids = _tokenize(prompts, tokenizer, options)
+    dim = model.get_input_embeddings().weight.shape[1]
+    if options.max_store_bytes is not None:
+        itemsize = torch.empty((), dtype=getattr(torch, options.gram_dtype)).element_size()
+        options.gram_tokens = fitting_gram_tokens(token_ids, num_blocks + 1, dim, itemsize, options.max_store_bytes,
+                                                  options.gram_tokens)
     special = torch.tensor(_special_ids(tokenizer) if options.drop_special_tokens else [], dtype=torch.long)
 
     rank, world = rank_and_world()
@@ -147,7 +157,6 @@ def analyze(
     if state_path is not None and world > 1:
         state_path = f"{state_path}.rank{rank}"
 
-    dim = model.get_input_embeddings().weight.shape[1]
     filtered_only = options.min_token_entropy == 0
     factors_path = None if state_path is None else f"{state_path}.factors"
     state = PassState(
@@ -189,6 +198,31 @@ def analyze(
     report.timing["selection_seconds"] = time.perf_counter() - finished
     return report
 
+
+
+def fitting_gram_tokens(token_ids: Sequence[Sequence[int]], num_layers: int, dim: int, itemsize: int,
+                        max_bytes: int, gram_tokens: int | None = None) -> int | None:
+    """The prompt-mode token cap that keeps the spill file within `max_bytes`: `gram_tokens` itself
+    (None: all kept tokens) when that fits, else the largest smaller cap that does.
+
+    Sized for the worst case, every token but position 0 kept: a prompt of n kept tokens spills
+    n x min(n, dim) numbers per layer (prompt_store.PromptModeStore). Raises ValueError when even
+    2 tokens a prompt do not fit."""
+
+    def size(cap: int | None) -> int:
+        kept = (len(ids) - 1 if cap is None else min(len(ids) - 1, cap) for ids in token_ids)
+        return sum(num_layers * n * min(n, dim) * itemsize for n in kept)
+
+    if size(gram_tokens) <= max_bytes:
+        return gram_tokens
+    if size(2) > max_bytes:
+        raise ValueError(f"max_store_bytes: {max_bytes} bytes cannot hold even 2 tokens of each of "
+                         f"{len(token_ids)} prompts ({size(2)} bytes needed)")
+    low, high = 2, max(len(ids) - 1 for ids in token_ids) if gram_tokens is None else gram_tokens
+    while low < high:  # size() grows with the cap: the largest cap that fits
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if size(middle) <= max_bytes else (low, middle - 1)
+    return low
 
 
 def _tokenize(prompts: Sequence[Prompt | str], tokenizer: Any, options: AnalyzeOptions) -> list[list[int]]:

@@ -32,7 +32,9 @@ class AnalyzeOptions:
     m: set sizes to select; batch_size: prompts per forward; max_prompts / max_tokens: truncation;
     min_token_entropy: the filter (nats, 0 disables); drop_special_tokens; normalize: "l2" rows
     (docs/method.md section 3) or "none"; gram_tokens: cap on the prompt-mode tokens per prompt
-    (None: all kept tokens); gram_dtype: precision of the spilled prompt-mode vectors; candidates:
+    (None: all kept tokens); max_store_bytes: bound on the prompt-mode spill file (None: none), met by
+    capping gram_tokens where all kept tokens would not fit (`analysis.fitting_gram_tokens`);
+    gram_dtype: precision of the spilled prompt-mode vectors; candidates:
     the layers the searches may pick (None: `serving.common_candidate_layers`); beta and
     one_per_compartment: ELSI-C; novelty_half_width / novelty_threshold: compartments;
     max_exhaustive: the largest number of sets searched exhaustively; screen_z: width of the set
@@ -48,6 +50,7 @@ class AnalyzeOptions:
     drop_special_tokens: bool = True
     normalize: str = "l2"
     gram_tokens: int | None = None
+    max_store_bytes: int | None = None
     gram_dtype: str = "float32"
     candidates: tuple[int, ...] | None = None
     beta: float = 1.0
@@ -90,6 +93,10 @@ class AnalyzeOptions:
             isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int) or self.gram_tokens < 2
         ):
             raise ValueError(f"gram_tokens: must be an integer >= 2 or None (all kept tokens), got {self.gram_tokens!r}")
+        if self.max_store_bytes is not None and (
+            isinstance(self.max_store_bytes, bool) or not isinstance(self.max_store_bytes, int) or self.max_store_bytes < 1
+        ):
+            raise ValueError(f"max_store_bytes: must be a positive integer or None (no bound), got {self.max_store_bytes!r}")
         if self.max_prompts is not None and (not isinstance(self.max_prompts, int) or self.max_prompts < 1):
             raise ValueError(f"max_prompts: must be a positive integer or None, got {self.max_prompts!r}")
         if not math.isfinite(self.min_token_entropy) or self.min_token_entropy < 0:

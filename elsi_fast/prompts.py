@@ -134,6 +134,27 @@ def encode_prompt(prompt: Prompt | str, tokenizer: Any) -> list[int]:
     return list(tokenizer(prompt.text)["input_ids"])
 
 
+def spread_over_categories(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """At most `n` of `prompts`, taken in turn from each category (in the order categories first
+    appear; prompts without one form a category of their own) and returned in file order.
+
+    A budget of prompts that covers every kind of text: the first `n` of Spec-Bench are all from
+    its first few categories. With one category it is the first `n` prompts."""
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    queues: dict[str | None, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        queues.setdefault(prompt.category, []).append(i)
+    picked: list[int] = []
+    depth = 0
+    while len(picked) < min(n, len(prompts)):
+        for queue in queues.values():
+            if depth < len(queue) and len(picked) < n:
+                picked.append(queue[depth])
+        depth += 1
+    return [prompts[i] for i in sorted(picked)]
+
+
 def prompts_by_category(prompts: list[Prompt], tokenizer: Any, max_prompts: int | None = None,
                         max_tokens: int | None = None) -> dict[str, list[list[int]]]:
     """Token ids of `prompts` (see `encode_prompt`), grouped by their category ("text" when none):

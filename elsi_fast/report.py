@@ -236,7 +236,8 @@ class LayerReport:
             lines.append(
                 f"prompt-mode store: {self.memory['gram_store_bytes'] / 2**20:.1f} MiB on disk for "
                 f"{self.prompts.get('in_prompt_mode')} prompts ("
-                f"{'all kept tokens' if gram_tokens is None else f'<= {gram_tokens} tokens each'}, "
+                f"{'all kept tokens' if gram_tokens is None else f'<= {gram_tokens} tokens each'}"
+                f"{_store_bound(self.options)}, "
                 f"{self.options['gram_dtype']}), {self.memory.get('prompt_statistics_bytes', 0) / 2**20:.1f} MiB "
                 f"in RAM; accumulators {self.memory['accumulator_bytes'] / 2**20:.1f} MiB"
             )
@@ -416,3 +417,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _store_bound(options: dict[str, Any]) -> str:
+    """', within the 1 GiB bound' when the store was bounded (`AnalyzeOptions.max_store_bytes`)."""
+    bound = options.get("max_store_bytes")
+    return "" if bound is None else f", within the {bound / 2**30:.3g} GiB bound"

@@ -41,12 +41,39 @@ def test_analyze_stories260k(shared_data, tmp_path, capsys):
     assert any("exactly 3" in note for note in configs["elsi/m=2/specforge"]["notes"])
 
 
+def test_analyze_default_budget_and_store_bound(shared_data, tmp_path, capsys):
+    """No --max-prompts: the default budget, spread over Spec-Bench's categories; a store bound too
+    small for every kept token caps each prompt's prompt-mode tokens, and the report says so."""
+    from elsi_fast.cli.analyze import DEFAULT_PROMPT_BUDGET
+
+    out = tmp_path / "out"
+    code = run_cli([
+        "analyze", "--model", os.path.join(shared_data, "models", "stories260K", "stories260K.bin"),
+        "--prompts", os.path.join(shared_data, "prompts", "spec_bench_question.jsonl"),
+        "--out", str(out), "--m", "1", "--batch-size", "16", "--max-tokens", "64", "--max-store-gb", "0.0005",
+        "--keep-state", "--no-progress",
+    ])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"]["count"] == DEFAULT_PROMPT_BUDGET
+    cap = report["options"]["gram_tokens"]
+    assert cap is not None and cap < 63, cap  # all kept tokens (up to 63 a prompt) would not fit
+    assert report["memory"]["gram_store_bytes"] <= 0.0005 * 2**30
+    assert f"<= {cap} tokens each, within the 0.0005 GiB bound" in capsys.readouterr().out
+
+
 def test_analyze_bad_prompt_file(shared_data, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
     with pytest.raises(ValueError, match="--prompts: .* contains no prompts"):
         run_cli(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o"), "--no-progress"])
+    with pytest.raises(ValueError, match="--all-prompts: give either"):
+        run_cli(["analyze", "--model", model, "--prompts", os.path.join(shared_data, "prompts", "mt_bench_question.jsonl"),
+                 "--out", str(tmp_path / "o"), "--all-prompts", "--max-prompts", "3", "--no-progress"])
+    with pytest.raises(ValueError, match="--max-store-gb: must be a number >= 0"):
+        run_cli(["analyze", "--model", model, "--prompts", os.path.join(shared_data, "prompts", "mt_bench_question.jsonl"),
+                 "--out", str(tmp_path / "o"), "--max-store-gb", "-1", "--no-progress"])
     with pytest.raises(ValueError, match="--m: each set size"):
         run_cli(["analyze", "--model", model, "--prompts", os.path.join(shared_data, "prompts", "mt_bench_question.jsonl"),
                  "--out", str(tmp_path / "o"), "--m", "5", "--max-prompts", "2", "--no-progress"])

@@ -108,3 +108,46 @@ def test_load_with_tokenizer_fills_ids(tmp_path):
     path.write_text(json.dumps({"turns": ["ab", "second turn"], "category": "c"}) + "\n")
     (prompt,) = load_prompts(str(path), tokenizer=CharTokenizer())
     assert prompt.input_ids == [1, ord("a"), ord("b")]  # first turn only
+
+
+def test_spread_over_categories_takes_each_category_in_turn(shared_data):
+    from collections import Counter
+
+    from elsi_fast.prompts import spread_over_categories
+
+    spec = load_prompts(os.path.join(shared_data, "prompts", "spec_bench_question.jsonl"))
+    categories = Counter(p.category for p in spec)
+    picked = spread_over_categories(spec, 120)
+    counts = Counter(p.category for p in picked)
+    assert len(picked) == 120 and set(counts) == set(categories)
+    assert max(counts.values()) - min(counts.values()) <= 1  # 120 over 13 categories: 9 or 10 each
+    positions = [spec.index(p) for p in picked]
+    assert positions == sorted(positions)  # file order
+    first = {c: [p for p in spec if p.category == c][: counts[c]] for c in categories}
+    assert all(p in first[p.category] for p in picked)  # each category's first prompts
+    assert spread_over_categories(spec, 10_000) == spec
+    plain = [type(spec[0])(text=f"t{i}") for i in range(5)]
+    assert spread_over_categories(plain, 3) == plain[:3]
+    with pytest.raises(ValueError, match="n: must be >= 1"):
+        spread_over_categories(spec, 0)
+
+
+def test_fitting_gram_tokens_is_the_largest_cap_that_fits():
+    from elsi_fast.analysis import fitting_gram_tokens
+
+    lengths = [3, 40, 17, 90, 250]
+    token_ids = [[0] * n for n in lengths]
+    layers, dim, itemsize = 7, 64, 4
+
+    def size(cap):  # the store's spill: n x min(n, dim) numbers a layer, n = kept tokens (all but position 0)
+        return sum(layers * k * min(k, dim) * itemsize for k in (min(n - 1, cap) for n in lengths))
+
+    full = size(10**9)
+    assert fitting_gram_tokens(token_ids, layers, dim, itemsize, full) is None
+    assert fitting_gram_tokens(token_ids, layers, dim, itemsize, full, gram_tokens=50) == 50
+    for bound in (size(2), size(30), size(30) + 1, size(31) - 1, full - 1):
+        cap = fitting_gram_tokens(token_ids, layers, dim, itemsize, bound)
+        assert size(cap) <= bound < size(cap + 1), (bound, cap)
+    assert fitting_gram_tokens(token_ids, layers, dim, itemsize, size(30), gram_tokens=20) == 20
+    with pytest.raises(ValueError, match="max_store_bytes: .* cannot hold even 2 tokens"):
+        fitting_gram_tokens(token_ids, layers, dim, itemsize, size(2) - 1)

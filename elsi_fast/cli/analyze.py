@@ -15,6 +15,10 @@ from ..loading import DTYPES
 from . import UsageError, one_line, positive_int
 
 STATE_FILE = "state.pt"
+# The main job's budget: 120 Spec-Bench prompts (about 9 per category) take a few minutes on 2 CPU
+# cores and spill under 1 GiB; the picks from all 480 are in docs/real-models.md.
+DEFAULT_PROMPT_BUDGET = 120
+DEFAULT_STORE_GB = 1.0
 _DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?|mps")
 MODEL_HELP = ("a named real target (" + ", ".join(CATALOG) + "), a .gguf file or a folder holding one, a "
               "transformers model folder or hub id, or a llama2.c .bin")
@@ -38,7 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model weights dtype; a GGUF file is dequantized to it (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--batch-size", type=positive_int, default=DEFAULTS.batch_size,
                         help=f"prompts per forward pass (default {DEFAULTS.batch_size})")
-    parser.add_argument("--max-prompts", type=positive_int, default=None, help="use only the first N prompts (default: all)")
+    parser.add_argument("--max-prompts", type=positive_int, default=None,
+                        help=f"use N prompts, taken in turn from each category (default {DEFAULT_PROMPT_BUDGET}: a few "
+                        "minutes on 2 CPU cores; the picks of all 480 Spec-Bench prompts in docs/real-models.md)")
+    parser.add_argument("--all-prompts", action="store_true", help="use every prompt of --prompts (no budget)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens,
                         help=f"truncate each prompt to this many tokens, >= 2 (default {DEFAULTS.max_tokens})")
     parser.add_argument("--min-token-entropy", type=float, default=DEFAULTS.min_token_entropy,
@@ -47,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gram-tokens", type=int, default=DEFAULTS.gram_tokens,
                         help="cap on the kept tokens per prompt of the prompt-mode statistics, >= 2 "
                         "(default: all kept tokens, as docs/method.md section 3 defines them)")
+    parser.add_argument("--max-store-gb", type=float, default=DEFAULT_STORE_GB,
+                        help="bound on the prompt-mode spill file in OUT (GiB): where all kept tokens could exceed it, "
+                        "each prompt's prompt-mode tokens are capped to fit and the report says so; 0: no bound "
+                        f"(default {DEFAULT_STORE_GB:g})")
     parser.add_argument("--beta", type=float, default=DEFAULTS.beta,
                         help=f"ELSI-C CKA penalty weight (default {DEFAULTS.beta})")
     parser.add_argument("--one-per-compartment", action="store_true", help="ELSI-C: at most one layer per compartment")
@@ -93,7 +104,7 @@ def check_out_folder(out: str, option: str = "--out") -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ..prompts import load_prompts
+    from ..prompts import load_prompts, spread_over_categories
 
     blocks = check_model(args.model, "--model")
     check_device(args.device)
@@ -104,6 +115,10 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"--gram-tokens: must be >= 2, got {args.gram_tokens}")
     if not (math.isfinite(args.min_token_entropy) and args.min_token_entropy >= 0):
         raise UsageError(f"--min-token-entropy: must be a number >= 0 (nats; 0 disables the filter), got {args.min_token_entropy}")
+    if not (math.isfinite(args.max_store_gb) and args.max_store_gb >= 0):
+        raise UsageError(f"--max-store-gb: must be a number >= 0 (GiB; 0: no bound), got {args.max_store_gb}")
+    if args.all_prompts and args.max_prompts is not None:
+        raise UsageError("--all-prompts: give either --all-prompts or --max-prompts, not both")
     if not math.isfinite(args.beta):
         raise UsageError(f"--beta: must be a finite number, got {args.beta}")
     if blocks is not None:
@@ -111,9 +126,11 @@ def check(args: argparse.Namespace) -> None:
     if args.resume and not state_files(args.out):
         raise UsageError(f"--resume: no {STATE_FILE} in {args.out} to continue from; run without --resume")
     try:
-        args.prompt_list = load_prompts(args.prompts, max_prompts=args.max_prompts)
+        args.prompt_list = load_prompts(args.prompts)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--{one_line(exc)}" if str(exc).startswith("prompts:") else f"--prompts: {one_line(exc)}") from None
+    if not args.all_prompts:
+        args.prompt_list = spread_over_categories(args.prompt_list, args.max_prompts or DEFAULT_PROMPT_BUDGET)
 
 
 def state_files(out: str) -> list[str]:
@@ -166,6 +183,7 @@ def handler(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         min_token_entropy=args.min_token_entropy,
         gram_tokens=args.gram_tokens,
+        max_store_bytes=round(args.max_store_gb * 2**30) or None,
         beta=args.beta,
         one_per_compartment=args.one_per_compartment,
         state_path=state_path,
