@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_name, record, time_fn  # noqa: E402
-from elsi_fast.analysis import analyze  # noqa: E402
-from elsi_fast.llama2c import load_llama2c, load_llama2c_tokenizer  # noqa: E402
-from elsi_fast.prompts import encode_prompt, load_prompts  # noqa: E402
+from elsi_fast.analysis.analyze import analyze  # noqa: E402
+from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer  # noqa: E402
+from elsi_fast.analysis.prompts import encode_prompt, load_prompts  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
@@ -56,7 +56,7 @@ def random_llama(device: str, dtype: torch.dtype):
 def smollm2(device: str, dtype: torch.dtype):
     """SmolLM2-135M-Instruct from its package, else a random model of its config (same shapes)."""
     try:
-        from elsi_fast.loading import load_model
+        from elsi_fast.targets.loading import load_model
 
         model, tokenizer = load_model("smollm2-135m-instruct", device=device, dtype=str(dtype).removeprefix("torch."))
         return model, tokenizer, "SmolLM2-135M-Instruct"
@@ -73,7 +73,7 @@ def smollm2(device: str, dtype: torch.dtype):
 
 def gemma3(device: str, dtype: torch.dtype):
     """Gemma 3 270M from its packages (18 blocks, sliding-window layers, vocabulary 262144)."""
-    from elsi_fast.loading import load_model
+    from elsi_fast.targets.loading import load_model
 
     model, tokenizer = load_model("gemma3-270m", device=device, dtype=str(dtype).removeprefix("torch."))
     return model, tokenizer, "Gemma-3-270M"

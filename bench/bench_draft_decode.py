@@ -278,9 +278,9 @@ def bench_cpu(shape_names: list[str], reps: int) -> None:
 # ----------------------------------------------------------------------------- int8 / bf16 accuracy
 def bench_accuracy() -> None:
     """Native int8 and bf16 against native fp32 on a trained stories260K draft (module docstring)."""
-    from elsi_fast.capture import capture_hidden_states
-    from elsi_fast.llama2c import load_llama2c, load_llama2c_tokenizer
-    from elsi_fast.train import train_draft
+    from elsi_fast.targets.capture import capture_hidden_states
+    from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer
+    from elsi_fast.training.train import train_draft
 
     torch.manual_seed(0)
     target, tokenizer = load_llama2c(STORIES).eval(), load_llama2c_tokenizer(STORIES)

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast.feature_cache import build  # noqa: E402
-from elsi_fast.loading import load_model  # noqa: E402
-from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations  # noqa: E402
-from elsi_fast.train import SUMMARY_FILE, train_draft  # noqa: E402
-from elsi_fast.training_data import conversation_samples  # noqa: E402
+from elsi_fast.training.feature_cache import build  # noqa: E402
+from elsi_fast.targets.loading import load_model  # noqa: E402
+from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations  # noqa: E402
+from elsi_fast.training.train import SUMMARY_FILE, train_draft  # noqa: E402
+from elsi_fast.training.training_data import conversation_samples  # noqa: E402
 
 RECIPE = dict(init="target", draft_vocab_size=8192, ttt_steps=3, batch_size=8, lr=3e-3, warmup=2, seq_len=512)
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    from elsi_fast.threads import configure
+    from elsi_fast._infra.threads import configure
 
     configure(args.threads)
     import torch

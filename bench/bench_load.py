@@ -19,7 +19,7 @@ and on this one): one other tenant leaves the job half the machine however many 
 ten tenants leave it 2/12 of it. The load starts 30 s before a condition's first job (so that
 the 1-minute load average the thread choice reads sees it) and stops after its last.
 Thread modes of the worked example (`--modes`; the other jobs run "default" only):
-- "default": the CLI's own choice (elsi_fast.threads);
+- "default": the CLI's own choice (elsi_fast._infra.threads);
 - "all_cores": one thread per available core (`--threads`), idle workers sleeping;
 - "spinning": the behavior before the thread choice existed, one thread per core and OpenMP
   workers that spin (OMP_WAIT_POLICY=ACTIVE), stopped at --spin-timeout seconds (a lower bound then).
@@ -135,7 +135,7 @@ def _record(job: str, condition: str, mode: str, result: dict, reference: dict |
 
 
 def main() -> None:
-    from elsi_fast.threads import available_cores
+    from elsi_fast._infra.threads import available_cores
 
     # A SIGTERM (timeout, kill) unwinds through `finally`, which stops the load processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

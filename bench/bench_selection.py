@@ -39,11 +39,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast import selection as sel  # noqa: E402
-from elsi_fast.prompt_store import PromptModeStore  # noqa: E402
-from elsi_fast.set_entropy import SetEntropySolver  # noqa: E402
+from elsi_fast.analysis import selection as sel  # noqa: E402
+from elsi_fast.analysis.prompt_store import PromptModeStore  # noqa: E402
+from elsi_fast.analysis.set_entropy import SetEntropySolver  # noqa: E402
 from elsi_fast.metrics import normalize_tokens, spectrum_entropy  # noqa: E402
-from elsi_fast.report import LayerReport  # noqa: E402
+from elsi_fast.analysis.report import LayerReport  # noqa: E402
 
 TODAY = "5b4ce62"  # the commit before issue 11
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -166,9 +166,14 @@ def run_synthetic(args) -> dict:
 E2E_CHILD = r"""
 import json, resource, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from elsi_fast.analysis import analyze
-from elsi_fast.llama2c import load_llama2c_tokenizer
-from elsi_fast.prompts import load_prompts
+try:
+    from elsi_fast.analysis.analyze import analyze
+    from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.targets.llama2c import load_llama2c_tokenizer
+except ModuleNotFoundError:  # the package at TODAY, before its subpackages
+    from elsi_fast.analysis import analyze
+    from elsi_fast.llama2c import load_llama2c_tokenizer
+    from elsi_fast.prompts import load_prompts
 layers, prompts_count, m, stories, spec, state, threads = json.loads(sys.argv[1])
 torch.set_num_threads(threads)
 torch.manual_seed(0)

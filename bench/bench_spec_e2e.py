@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import device_name, record  # noqa: E402
 from elsi_fast.draft import Eagle3Draft, native  # noqa: E402
-from elsi_fast.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate  # noqa: E402
+from elsi_fast.decoding.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate  # noqa: E402
 
 FILE = "spec_e2e_cpu"
 DTYPES = ("fp32", "bf16", "int8")
@@ -65,7 +65,7 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
 def chosen_prompts(experiment: Path, per_category: int) -> list[dict]:
     """The first `per_category` evaluation records of every Spec-Bench category (the prompts
     `bench/integration/llamacpp.py measure` serves), with the target's recorded continuation."""
-    from elsi_fast.regenerate import read_conversations
+    from elsi_fast.training.regenerate import read_conversations
 
     by_category: dict[str, list[dict]] = {}
     for r in read_conversations(experiment / "eval" / "conversations.jsonl"):
@@ -221,8 +221,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds of the `parts` timings")
     args = parser.parse_args()
-    from elsi_fast.loading import load_model
-    from elsi_fast.target_runtime import accelerate
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.targets.target_runtime import accelerate
 
     torch.set_num_threads(args.threads)
     if not native.available("cpu"):

@@ -6,7 +6,7 @@ torch on a 2-core Zen 3 it cost 1.75-2x a 1-token forward (docs/target-runtime.m
 each rolled back afterwards as speculative decoding rolls back rejected positions. Contenders:
   torch       the model as loaded (eager, sdpa attention, DynamicCache);
   rt-fp32, rt-bf16, rt-int8
-              the same model on `elsi_fast.target_runtime.accelerate` with fp32 / bf16 / int8 weights;
+              the same model on `elsi_fast.targets.target_runtime.accelerate` with fp32 / bf16 / int8 weights;
   compile, rt-<w>+compile
               (--compile) `torch.compile(model.forward, dynamic=True)` of the eager model and of each
               runtime model (the runtime's ops have fake kernels; a crop of the cache changes its
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 
 # torch's OpenMP workers spin-wait by default, which on a shared CPU stalls every 2-thread op
-# (elsi_fast/threads.py); the CLI sets this before torch loads, and so does this benchmark.
+# (elsi_fast/_infra/threads.py); the CLI sets this before torch loads, and so does this benchmark.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -45,9 +45,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast import target_runtime  # noqa: E402
-from elsi_fast.loading import load_model  # noqa: E402
-from elsi_fast.speculative import cache_kwarg  # noqa: E402
+from elsi_fast.targets import target_runtime  # noqa: E402
+from elsi_fast.targets.loading import load_model  # noqa: E402
+from elsi_fast.decoding.speculative import cache_kwarg  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = (1, 2, 3, 5, 8)

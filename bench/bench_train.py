@@ -31,11 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys, torch
 from pathlib import Path
-from elsi_fast.feature_cache import open_cache
-from elsi_fast.loading import load_model
-from elsi_fast.regenerate import read_conversations
-from elsi_fast.train import SUMMARY_FILE, train_draft
-from elsi_fast.training_data import conversation_samples
+try:
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.feature_cache import open_cache
+    from elsi_fast.training.regenerate import read_conversations
+    from elsi_fast.training.train import SUMMARY_FILE, train_draft
+    from elsi_fast.training.training_data import conversation_samples
+except ModuleNotFoundError:  # a baseline commit before the package's subpackages
+    from elsi_fast.feature_cache import open_cache
+    from elsi_fast.loading import load_model
+    from elsi_fast.regenerate import read_conversations
+    from elsi_fast.train import SUMMARY_FILE, train_draft
+    from elsi_fast.training_data import conversation_samples
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 model, tokenizer = load_model(args["model"], device="cpu", dtype="float32", argument="--model",
@@ -82,10 +89,10 @@ def main() -> None:
 
     import torch
 
-    from elsi_fast.feature_cache import build
-    from elsi_fast.loading import load_model
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations
-    from elsi_fast.training_data import conversation_samples
+    from elsi_fast.training.feature_cache import build
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
+    from elsi_fast.training.training_data import conversation_samples
 
     torch.set_num_threads(args.threads)
     data = Path(args.data) / CONVERSATIONS_FILE

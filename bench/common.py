@@ -27,7 +27,7 @@ def cpu_model() -> str:
     Read on every call: a result row must name the machine it was measured on, and sessions move
     between Intel and AMD hosts.
     """
-    from elsi_fast._backends import cpu_flags
+    from elsi_fast._infra._backends import cpu_flags
 
     model = platform.processor() or platform.machine()
     try:

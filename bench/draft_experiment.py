@@ -44,16 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast.evaluation import continuation_samples, pooled_tau, replay_runs_per_k  # noqa: E402
-from elsi_fast.feature_cache import build, open_cache  # noqa: E402
-from elsi_fast.loading import load_model  # noqa: E402
-from elsi_fast.prompts import load_prompts  # noqa: E402
-from elsi_fast.regenerate import (  # noqa: E402
+from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k  # noqa: E402
+from elsi_fast.training.feature_cache import build, open_cache  # noqa: E402
+from elsi_fast.targets.loading import load_model  # noqa: E402
+from elsi_fast.analysis.prompts import load_prompts  # noqa: E402
+from elsi_fast.training.regenerate import (  # noqa: E402
     CONVERSATIONS_FILE, export_answers, read_conversations, regenerate, restore_answers,
 )
-from elsi_fast.report import LayerReport  # noqa: E402
-from elsi_fast.train import train_draft  # noqa: E402
-from elsi_fast.training_data import conversation_samples  # noqa: E402
+from elsi_fast.analysis.report import LayerReport  # noqa: E402
+from elsi_fast.training.train import train_draft  # noqa: E402
+from elsi_fast.training.training_data import conversation_samples  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "prompts"
 RUNS = ROOT / "runs" / "draft-experiment"
@@ -123,7 +123,7 @@ def stage_data(model, tokenizer, out: Path, keep: Path) -> None:
 
 def stage_calibrate(model, tokenizer, out: Path, keep: Path) -> LayerReport:
     """`analyze` on the training subset once (resumable), its report kept."""
-    from elsi_fast.analysis import analyze
+    from elsi_fast.analysis.analyze import analyze
 
     path = keep / "calibration-report.json"
     if path.is_file():
@@ -266,7 +266,7 @@ def stage_heldout(model, tokenizer, out: Path, keep: Path, sets: dict) -> dict:
 
 def _first_per_category(items: list, n: int, tokenizer=None) -> list:
     """The first `n` items of every category (prompts: the shortest first, when `tokenizer` is given)."""
-    from elsi_fast.prompts import encode_prompt
+    from elsi_fast.analysis.prompts import encode_prompt
 
     groups: dict[str, list] = {}
     for item in items:
@@ -573,7 +573,7 @@ def main() -> None:
         MAX_PROMPTS, PER_CATEGORY = 12, 4
         RECIPE.update(steps=3, warmup=1, batch_size=4)
         os.environ.setdefault("ELSI_FAST_RESULTS_DIR", str(args.runs / "results"))
-    from elsi_fast.threads import configure
+    from elsi_fast._infra.threads import configure
 
     configure(args.threads)
     out = args.runs / args.model

@@ -12,7 +12,7 @@ continuations, restored from the draft experiment's kept answers (the same conti
 
 Stages, each resumable:
 - cache: one bfloat16 feature cache of the training conversations for the layer set, and one per
-  evaluation set (`elsi_fast.feature_cache`);
+  evaluation set (`elsi_fast.training.feature_cache`);
 - train: `train_draft` from the cache, its drafts kept at log-spaced steps (`keep_steps`);
 - curve: every kept draft replayed on the three sets (k = 1..5), one row per (step, set) in
   bench/results/draft_long_run_cpu.jsonl (rows already there are skipped), and the plot
@@ -55,8 +55,8 @@ def keep_steps(steps: int, points: int = 8) -> list[int]:
 
 
 def _spec_bench(model, tokenizer, work: Path, keep: Path) -> list[dict]:
-    from elsi_fast.prompts import load_prompts
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, restore_answers
+    from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, restore_answers
 
     folder = work / "spec-bench"
     if not (folder / CONVERSATIONS_FILE).is_file():
@@ -84,12 +84,12 @@ def main() -> None:
     import torch
 
     from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
-    from elsi_fast.feature_cache import build
-    from elsi_fast.loading import load_model
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations
-    from elsi_fast.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
-    from elsi_fast.training_data import conversation_samples
+    from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
+    from elsi_fast.training.feature_cache import build
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
+    from elsi_fast.training.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
+    from elsi_fast.training.training_data import conversation_samples
 
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]

@@ -26,8 +26,8 @@ KEEP = ROOT / "bench" / "results" / "data"
 
 
 def keep(folder: Path, target: str) -> Path:
-    from elsi_fast.regenerate import SETTINGS_FILE, export_answers
-    from elsi_fast.self_instruct import KEPT_FILE, RAW_FILE
+    from elsi_fast.training.regenerate import SETTINGS_FILE, export_answers
+    from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
     out = KEEP / target
     out.mkdir(parents=True, exist_ok=True)
@@ -43,10 +43,10 @@ def keep(folder: Path, target: str) -> Path:
 
 
 def restore(folder: Path, target: str, prompts_path: str, max_new_tokens: int) -> None:
-    from elsi_fast.loading import load_model
-    from elsi_fast.prompts import load_prompts
-    from elsi_fast.regenerate import restore_answers
-    from elsi_fast.self_instruct import KEPT_FILE, RAW_FILE
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.training.regenerate import restore_answers
+    from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
     kept = KEEP / target
     if (folder / RAW_FILE).exists():

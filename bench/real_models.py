@@ -35,16 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_name, record  # noqa: E402
-from elsi_fast.analysis import analyze  # noqa: E402
-from elsi_fast.capture import capture_hidden_states, decoder_layers  # noqa: E402
-from elsi_fast.loading import load_model  # noqa: E402
+from elsi_fast.analysis.analyze import analyze  # noqa: E402
+from elsi_fast.targets.capture import capture_hidden_states, decoder_layers  # noqa: E402
+from elsi_fast.targets.loading import load_model  # noqa: E402
 from elsi_fast.metrics import linear_token_entropy, normalize_tokens, spectrum_entropy  # noqa: E402
-from elsi_fast.prompt_store import PromptModeStore  # noqa: E402
-from elsi_fast.prompts import encode_prompt, load_prompts  # noqa: E402
-from elsi_fast.report import LayerReport  # noqa: E402
-from elsi_fast.selection import ScreenedObjective, cka_penalized, select  # noqa: E402
-from elsi_fast.serving import common_candidate_layers, serving_configs  # noqa: E402
-from elsi_fast.set_entropy import SetEntropySolver  # noqa: E402
+from elsi_fast.analysis.prompt_store import PromptModeStore  # noqa: E402
+from elsi_fast.analysis.prompts import encode_prompt, load_prompts  # noqa: E402
+from elsi_fast.analysis.report import LayerReport  # noqa: E402
+from elsi_fast.analysis.selection import ScreenedObjective, cka_penalized, select  # noqa: E402
+from elsi_fast.engines.serving import common_candidate_layers, serving_configs  # noqa: E402
+from elsi_fast.analysis.set_entropy import SetEntropySolver  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"
 RUNS = ROOT / "runs" / "real-models"
@@ -299,7 +299,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_prompts is not None:
         os.environ.setdefault("ELSI_FAST_RESULTS_DIR", str(args.runs / "results"))  # smoke rows stay out of bench/
-    from elsi_fast.threads import configure
+    from elsi_fast._infra.threads import configure
 
     configure(args.threads)
     if args.stages == ["report"]:

@@ -1,4 +1,4 @@
-// The target runtime's CPU pieces (elsi_fast/target_runtime.py): a small-batch linear layer and a
+// The target runtime's CPU pieces (elsi_fast/targets/target_runtime.py): a small-batch linear layer and a
 // decode attention for forwards of 1..kLinearMaxRows tokens at batch 1, a fused RMSNorm, and the
 // thread pool the first two run on. No torch headers.
 //
@@ -25,7 +25,7 @@ constexpr int64_t kLinearMaxRows = 8;
 // C], C = pack_cols(element size), zero padded; draft_decode.h), with one difference for bf16: in
 // every 16-column block of a tile row the element pairs are (column i, column i + 8), i < 8, so
 // one 32-bit lane holds two weights that a shift and a mask widen to fp32 in natural column order
-// (elsi_fast.target_runtime.pack_weight writes it).
+// (elsi_fast.targets.target_runtime.pack_weight writes it).
 struct LinearWeights {
   WeightType type;
   const void* packed;

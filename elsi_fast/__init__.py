@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "backends": "elsi_fast._backends",
+    "backends": "elsi_fast._infra._backends",
     "cka_matrix": "elsi_fast.metrics",
     "hsic": "elsi_fast.metrics",
     "linear_cka": "elsi_fast.metrics",
@@ -20,11 +20,11 @@ _LAZY = {
     "token_entropy": "elsi_fast.metrics",
     "MinibatchHSIC": "elsi_fast.streaming",
     "StreamingCovariance": "elsi_fast.streaming",
-    "analyze": "elsi_fast.analysis",
-    "LayerReport": "elsi_fast.report",
+    "analyze": "elsi_fast.analysis.analyze",
+    "LayerReport": "elsi_fast.analysis.report",
     "Eagle3Draft": "elsi_fast.draft",
     "Eagle3Config": "elsi_fast.draft",
-    "speculative_generate": "elsi_fast.speculative",
+    "speculative_generate": "elsi_fast.decoding.speculative",
 }
 
 __all__ = list(_LAZY)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._validation import (
+from ._infra._validation import (
     check_alpha,
     check_choice,
     check_layer_list,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._validation import check_alpha, check_choice, check_layer_list, check_mask, check_positive_int
+from ._infra._validation import check_alpha, check_choice, check_layer_list, check_mask, check_positive_int
 from .metrics import (
     _cka_from_inner_products,
     _centered_gram_inner_products,

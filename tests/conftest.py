@@ -49,18 +49,18 @@ def python_ctrl_c_handler():
     signal.signal(signal.SIGINT, previous)
 
 
-# The two real pretrained targets (elsi_fast.catalog), loaded once per session: the first load in a
+# The two real pretrained targets (elsi_fast.targets.catalog), loaded once per session: the first load in a
 # fresh cache dequantizes the GGUF file (about 1 minute for SmolLM2, 3 for Gemma 3 on 2 cores).
 @pytest.fixture(scope="session")
 def smollm2():
-    from elsi_fast.loading import load_model
+    from elsi_fast.targets.loading import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    from elsi_fast.loading import load_model
+    from elsi_fast.targets.loading import load_model
 
     return load_model("gemma3-270m", device="cpu", dtype="float32", progress=False)
 

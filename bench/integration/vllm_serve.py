@@ -6,7 +6,7 @@ The path a user takes, end to end, on the natural-language target that bench/e2e
             the registry on torch 2.13.0+cpu, minus the CUDA builds of torchvision / torchaudio /
             torchcodec that its dependencies pull in (they fail to load against a CPU torch).
             Created once; a marker file records what was checked.
-2. `prepare` the target (cached by `elsi_fast.toy_targets.build_target`), a check that its greedy
+2. `prepare` the target (cached by `elsi_fast.targets.toy_targets.build_target`), a check that its greedy
             output is not degenerate, `elsi-fast analyze` on calibration windows of its training
             text, and two drafts trained by `elsi-fast train-draft`: ELSI m=1 and the EAGLE3
             default m=3 (same budget, resumable).
@@ -201,8 +201,8 @@ def prepare(args) -> dict:
 def _prepare_target_and_analysis(args, out: Path) -> dict:
     import torch
 
-    from elsi_fast.loading import load_model
-    from elsi_fast.toy_targets import NATURAL_LANGUAGE, build_target, heldout_texts, training_texts
+    from elsi_fast.targets.loading import load_model
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, build_target, heldout_texts, training_texts
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -223,8 +223,8 @@ def _prepare_target_and_analysis(args, out: Path) -> dict:
 
     # A target that repeats one token would accept any draft that learned that token: the check
     # below needs continuations that depend on the prompt.
-    from elsi_fast.prompts import prompts_by_category
-    from elsi_fast.prompts import load_prompts
+    from elsi_fast.analysis.prompts import prompts_by_category
+    from elsi_fast.analysis.prompts import load_prompts
 
     prompts = prompts_by_category(load_prompts(str(data / "eval.jsonl")), tokenizer, None, args.prompt_tokens)["heldout"]
     continuations = [greedy_decode(model, ids, args.max_new_tokens) for ids in prompts]
@@ -398,11 +398,11 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     import torch
 
     from bench.common import device_name, record
-    from elsi_fast.prompts import prompts_by_category
-    from elsi_fast.prompts import load_prompts
+    from elsi_fast.analysis.prompts import prompts_by_category
+    from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.speculative import speculative_generate
-    from elsi_fast.loading import load_model
+    from elsi_fast.decoding.speculative import speculative_generate
+    from elsi_fast.targets.loading import load_model
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -1,7 +1,7 @@
 """`elsi-fast` command line: one module per subcommand, each with a `register(subparsers)`.
 
 A run goes: parse -> `check(args)` (validates every argument that can be validated without torch,
-creates nothing) -> choose threads (elsi_fast.threads, before torch is imported) -> `func(args)`.
+creates nothing) -> choose threads (elsi_fast._infra.threads, before torch is imported) -> `func(args)`.
 Parsing, `--help` and argument errors import neither torch, transformers nor triton. A user error
 is one line `elsi-fast CMD: error: --ARG: problem; fix` and exit code 2; Ctrl-C ends with a
 line saying how to continue (`interrupted(args)`) and exit code 130.
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:
             check(args)
-        from ..threads import configure
+        from .._infra.threads import configure
 
         args.threads = configure(args.threads)
         _join_torchrun()

@@ -9,9 +9,9 @@ import math
 import os
 import re
 
-from ..analysis_options import DEFAULTS
-from ..catalog import CATALOG
-from ..loading import DTYPES
+from ..analysis.analysis_options import DEFAULTS
+from ..targets.catalog import CATALOG
+from ..targets.loading import DTYPES
 from . import UsageError, one_line, positive_int
 
 STATE_FILE = "state.pt"
@@ -75,9 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def check_model(name: str, option: str) -> int | None:
-    """Checks a model argument without loading it (elsi_fast.loading.describe_source); returns N
+    """Checks a model argument without loading it (elsi_fast.targets.loading.describe_source); returns N
     (decoder blocks) when a config.json or GGUF header says it, else None."""
-    from ..loading import describe_source
+    from ..targets.loading import describe_source
 
     try:
         return describe_source(name, option).num_blocks
@@ -91,7 +91,7 @@ def check_device(device: str | None) -> None:
 
 
 def check_set_sizes(m: list[int], blocks: int, source: str) -> None:
-    """The default candidates are h_1 .. h_{N-1} (elsi_fast.serving.common_candidate_layers)."""
+    """The default candidates are h_1 .. h_{N-1} (elsi_fast.engines.serving.common_candidate_layers)."""
     too_big = [size for size in m if size > blocks - 1]
     if too_big:
         raise UsageError(f"--m: each set size must be at most {blocks - 1}, the candidate layers h_1..h_{blocks - 1} "
@@ -104,7 +104,7 @@ def check_out_folder(out: str, option: str = "--out") -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ..prompts import load_prompts, spread_over_categories
+    from ..analysis.prompts import load_prompts, spread_over_categories
 
     blocks = check_model(args.model, "--model")
     check_device(args.device)
@@ -158,10 +158,10 @@ def interrupted(args: argparse.Namespace) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from ..analysis import AnalyzeOptions, analyze
-    from ..capture import decoder_layers
-    from ..loading import load_model
-    from ..serving import ENGINES, serving_configs
+    from ..analysis.analyze import AnalyzeOptions, analyze
+    from ..targets.capture import decoder_layers
+    from ..targets.loading import load_model
+    from ..engines.serving import ENGINES, serving_configs
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, argument="--model",
                                   device_argument="--device", progress=not args.no_progress)
@@ -190,7 +190,7 @@ def handler(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         model_name=args.model,
     )
-    from ..pass_state import rank_and_world
+    from ..analysis.pass_state import rank_and_world
 
     if rank_and_world()[0] != 0:
         return 0  # every rank holds the whole result; rank 0 writes it

@@ -55,7 +55,7 @@ def interrupted(args: argparse.Namespace) -> str:
 
 def _calibration_file(out: str) -> str:
     """Held-out stdlib code, one prompt per source file (its held-out tail), blank-line separated."""
-    from ..toy_targets import DEMO, heldout_texts
+    from ..targets.toy_targets import DEMO, heldout_texts
 
     # Blank lines inside a prompt would split it: collapse them.
     chunks = ["\n".join(line for line in text[:1500].splitlines() if line.strip()) for text in heldout_texts(DEMO)]
@@ -68,11 +68,11 @@ def _calibration_file(out: str) -> str:
 
 
 def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) -> None:
-    from ..evaluation import evaluate_tau
-    from ..loading import load_model
-    from ..report import LayerReport
-    from ..toy_targets import DEMO, heldout_texts, training_texts
-    from ..train import train_draft
+    from ..decoding.evaluation import evaluate_tau
+    from ..targets.loading import load_model
+    from ..analysis.report import LayerReport
+    from ..targets.toy_targets import DEMO, heldout_texts, training_texts
+    from ..training.train import train_draft
 
     model, tokenizer = load_model(target_dir, device="cpu", dtype="float32")
     report = LayerReport.from_json(os.path.join(out, "report.json"))
@@ -97,7 +97,7 @@ def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) ->
 
 def _training_file(out: str) -> str:
     """The target's training text (stdlib code), for `elsi-fast train-draft --data`."""
-    from ..toy_targets import DEMO, training_texts
+    from ..targets.toy_targets import DEMO, training_texts
 
     path = os.path.join(out, "train.txt")
     with open(path, "w") as f:
@@ -115,7 +115,7 @@ def _link_target(target_dir: str, out: str) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from ..toy_targets import build_demo_target
+    from ..targets.toy_targets import build_demo_target
     from . import build_parser
 
     start = time.perf_counter()

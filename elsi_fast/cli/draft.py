@@ -7,14 +7,14 @@ import json
 import math
 import os
 
-from ..native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES, TRAINING_PRECISIONS
+from .._infra.native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES, TRAINING_PRECISIONS
 from . import UsageError, one_line, positive_int
-from ..loading import DTYPES
+from ..targets.loading import DTYPES
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
 
-# elsi_fast.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
+# elsi_fast.training.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
 TRAINING_STATE_FILE = "training_state.pt"
-# eval-draft's finished prompts (elsi_fast.evaluation.speculative_runs state_path), removed on success.
+# eval-draft's finished prompts (elsi_fast.decoding.evaluation.speculative_runs state_path), removed on success.
 EVAL_PROGRESS_FILE = "eval_progress.jsonl"
 
 
@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="draft decode path (default auto: native when it can run)")
     evaluate.add_argument("--target-runtime", choices=NATIVE_WEIGHT_DTYPES, default=None,
                           help="run the target's decode and verify forwards on elsi-fast's CPU runtime with "
-                          "these weights (elsi_fast.target_runtime; faster verify forwards, the same tau for "
+                          "these weights (elsi_fast.targets.target_runtime; faster verify forwards, the same tau for "
                           "the runtime's own greedy decoding; default: torch)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load_texts(path: str, option: str) -> list:
-    from ..prompts import load_prompts
+    from ..analysis.prompts import load_prompts
 
     try:
         return load_prompts(path)
@@ -111,7 +111,7 @@ def _load_texts(path: str, option: str) -> list:
 
 
 def _layers_from_report(path: str, method: str, m: int) -> list[int]:
-    from ..report import LayerReport
+    from ..analysis.report import LayerReport
 
     if not os.path.isfile(path):
         raise UsageError(f"--report: no such file: {path}")
@@ -135,7 +135,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_target(args: argparse.Namespace):
-    from ..loading import load_model
+    from ..targets.loading import load_model
 
     return load_model(args.target, device=args.device, dtype=args.dtype, argument="--target",
                       device_argument="--device", progress=not args.no_progress)
@@ -162,7 +162,7 @@ def train_check(args: argparse.Namespace) -> None:
     missing = sorted(set(args.layer_ids) - set(args.cache_layers)) if args.cache_layers else []
     if missing:
         raise UsageError(f"--cache-layers: must include this run's layers; {missing} missing")
-    from ..training_data import is_conversations_file
+    from ..training.training_data import is_conversations_file
 
     args.conversations = is_conversations_file(args.data)
     if args.cache_dir is not None and not args.conversations:
@@ -183,17 +183,17 @@ def train_interrupted(args: argparse.Namespace) -> str:
 
 
 def train_handler(args: argparse.Namespace) -> int:
-    from ..pass_state import rank_and_world
-    from ..train import train_draft
+    from ..analysis.pass_state import rank_and_world
+    from ..training.train import train_draft
 
     model, tokenizer = load_target(args)
     data, cache = args.texts if not args.conversations else None, None
     if args.conversations:
-        from ..training_data import conversation_samples, load_conversations
+        from ..training.training_data import conversation_samples, load_conversations
 
         data = conversation_samples(load_conversations(args.data), tokenizer, args.seq_len, model.config.vocab_size)
         if args.cache_dir is not None:
-            from ..feature_cache import build
+            from ..training.feature_cache import build
 
             cache = build(model, data, args.cache_layers or args.layer_ids, args.cache_dir, dtype=args.cache_dtype,
                           max_bytes=int(args.max_cache_gb * 2**30), progress=not args.no_progress)
@@ -249,10 +249,10 @@ def eval_interrupted(args: argparse.Namespace) -> str:
 
 def eval_handler(args: argparse.Namespace) -> int:
     from ..draft import Eagle3Draft
-    from ..evaluation import pooled_tau, speculative_runs
-    from ..prompts import prompts_by_category
+    from ..decoding.evaluation import pooled_tau, speculative_runs
+    from ..analysis.prompts import prompts_by_category
 
-    from ..target_runtime import accelerate, describe_target
+    from ..targets.target_runtime import accelerate, describe_target
 
     model, tokenizer = load_target(args)
     if args.target_runtime is not None:

@@ -11,7 +11,7 @@ from . import UsageError, one_line, positive_int
 from .analyze import check_device, check_model, check_out_folder
 from .draft import add_target_arguments, load_target
 
-# elsi_fast.regenerate.CONVERSATIONS_FILE, repeated because checks and Ctrl-C hints must not import torch.
+# elsi_fast.training.regenerate.CONVERSATIONS_FILE, repeated because checks and Ctrl-C hints must not import torch.
 CONVERSATIONS_FILE = "conversations.jsonl"
 
 
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ..prompts import load_prompts
+    from ..analysis.prompts import load_prompts
 
     check_model(args.target, "--target")
     check_device(args.device)
@@ -70,7 +70,7 @@ def check(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature: must be a number >= 0 (0: greedy), got {args.temperature}")
     if args.engine == "vllm":
-        from ..vllm_env import environment_python
+        from ..engines.vllm_env import environment_python
 
         try:
             args.vllm_python = environment_python(args.vllm_python, "--vllm-python")
@@ -81,7 +81,7 @@ def check(args: argparse.Namespace) -> None:
     if args.engine == "llama.cpp":
         if args.llama_server is None or not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
             raise UsageError(f"--llama-server: --engine llama.cpp needs the llama-server binary, got {args.llama_server}")
-        from ..catalog import is_catalog_name
+        from ..targets.catalog import is_catalog_name
 
         if not (is_catalog_name(args.target) or str(args.target).endswith(".gguf")):
             raise UsageError("--engine: llama.cpp serves a GGUF target (a .gguf file or a named real target)")
@@ -116,7 +116,7 @@ def check(args: argparse.Namespace) -> None:
     if not args.eval_prompts:
         raise UsageError("--eval-prompts: --self-instruct needs the evaluation prompt files (e.g. Spec-Bench and "
                          "MT-bench JSONL) so that no instruction comes near them")
-    from ..self_instruct import evaluation_texts
+    from ..training.self_instruct import evaluation_texts
 
     for path in args.eval_prompts:
         if not os.path.isfile(path):
@@ -141,8 +141,8 @@ def handler(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         server = None
         if args.engine == "llama.cpp":
-            from ..catalog import is_catalog_name, resolve
-            from ..llamacpp_server import LlamaServer
+            from ..targets.catalog import is_catalog_name, resolve
+            from ..engines.llamacpp_server import LlamaServer
 
             gguf = resolve(args.target, "--target") if is_catalog_name(args.target) else args.target
             server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots,
@@ -152,12 +152,12 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
-    from ..regenerate import regenerate
+    from ..training.regenerate import regenerate
 
     prompts = args.prompt_list
     if args.self_instruct is not None:
-        from ..prompts import load_prompts
-        from ..self_instruct import self_instruct
+        from ..analysis.prompts import load_prompts
+        from ..training.self_instruct import self_instruct
 
         try:
             written = self_instruct(model, tokenizer, args.out, args.self_instruct, eval_texts=args.eval_texts,
@@ -171,7 +171,7 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
     if args.restore is not None:
-        from ..regenerate import restore_answers
+        from ..training.regenerate import restore_answers
 
         try:
             written = restore_answers(model, tokenizer, prompts, args.out, args.restored,

@@ -4,9 +4,9 @@ llama.cpp: the draft is written as a GGUF beside its folder (`Eagle3Draft.save_p
 format="gguf", target=...)`: m=1 / m=2 as the exact three-id equivalent) and `llama-server` starts
 with `--spec-type draft-eagle3`. vLLM: the folder is served as it is (`vllm serve TARGET
 --speculative-config {"method": "eagle3", ...}`); a GGUF target is served from its dequantized
-float32 folder (`elsi_fast.loading.dequantized_folder`), the model elsi-fast measures tau on. Both
+float32 folder (`elsi_fast.targets.loading.dequantized_folder`), the model elsi-fast measures tau on. Both
 check what the engine would otherwise get silently wrong: layer ids it cannot capture
-(`elsi_fast.serving.candidate_layers`) and a vocabulary that differs from the target's. The server
+(`elsi_fast.engines.serving.candidate_layers`) and a vocabulary that differs from the target's. The server
 replaces this process (`exec`), so Ctrl-C and signals reach it.
 """
 
@@ -19,7 +19,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from ..vllm_env import VLLM_CPU_SHIM, needs_cpu_shim, script_python
+from ..engines.vllm_env import VLLM_CPU_SHIM, needs_cpu_shim, script_python
 from . import UsageError, one_line, positive_int
 
 ENGINES = ("llama.cpp", "vllm")
@@ -60,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check(args: argparse.Namespace) -> None:
     """Everything that can be checked without torch: the draft's config, the target, the binary."""
     from ..draft.config import Eagle3Config
-    from ..loading import describe_source
-    from ..serving import candidate_layers
+    from ..targets.loading import describe_source
+    from ..engines.serving import candidate_layers
 
     config_path = Path(args.draft) / "config.json"
     if not config_path.is_file():
@@ -142,7 +142,7 @@ def _export_gguf(args: argparse.Namespace) -> Path:
 
 
 def _vllm_target(args: argparse.Namespace) -> Path:
-    from ..loading import dequantized_folder
+    from ..targets.loading import dequantized_folder
 
     source = args.target_source
     folder = dequantized_folder(source.path, "--target") if source.kind == "gguf" else Path(source.path)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..serving import LLAMACPP_LAYERS, llamacpp_layer_ids
+from ..engines.serving import LLAMACPP_LAYERS, llamacpp_layer_ids
 from .model import rope_inv_freq
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._extension import _C, IMPORT_ERROR
-from .._extension import TORCH_WEIGHT_DTYPES as WEIGHT_DTYPES
-from ..native_names import NATIVE_WEIGHT_DTYPES
+from .._infra._extension import _C, IMPORT_ERROR
+from .._infra._extension import TORCH_WEIGHT_DTYPES as WEIGHT_DTYPES
+from .._infra.native_names import NATIVE_WEIGHT_DTYPES
 from .quant import QUANTIZED_LINEARS, quantize_int8
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class NativeDraftDecoder:
         self.length = 0
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-        from ..threads import FreeCores
+        from .._infra.threads import FreeCores
 
         self._team = (lambda: threads) if threads is not None else FreeCores(limit=torch.get_num_threads())
         self.threads = threads

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validation import check_tensor
+from .._infra._validation import check_tensor
 from . import interpreting
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,0 +1,2 @@
+"""Speculative decoding with a trained draft (`speculative`) and its acceptance-length
+evaluation (`evaluation`)."""

@@ -1,0 +1,219 @@
+"""Offline draft training: the target's hidden states on the training samples, dumped once.
+
+Training a draft online runs the target's forward at every step; six layer sets cost six target
+forwards over the same tokens. SpecForge's offline mode dumps the states instead. `build` runs the
+target once over every sample and stores, per token,
+- the hidden states h_l (input-to-layer) of the union of the layers the drafts will read, and
+- the final normed state the LM head reads, from which the soft labels come: the target's logits
+  restricted to the draft vocabulary are that state times the head's rows (a plain linear head,
+  `capture.plain_lm_head`; the head's weights are read from the target, which is loaded but never
+  run while training from the cache).
+The folder holds `meta.json` (what was dumped, from which target and data; the samples done so
+far) and one flat file per array. The size is known before anything is written and must stay
+under `max_bytes`; a dump interrupted by Ctrl-C or a crash continues where its last batch ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
+from .._infra.interrupt import DeferredInterrupt
+from .training_data import Sample, pad_samples
+
+META_FILE = "meta.json"
+_VERSION = 1
+_DTYPES = {"float32": (torch.float32, np.float32), "bfloat16": (torch.bfloat16, np.uint16)}
+DEFAULT_MAX_BYTES = 32 << 30
+
+
+def samples_fingerprint(samples: Sequence[Sample]) -> str:
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(sample.ids.numpy().astype(np.int32).tobytes())
+        digest.update(sample.loss_mask.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def target_fingerprint(target) -> str:
+    """The target's config and a hash of its first block's and head's weights (enough to tell two
+    targets apart without hashing all of a large model)."""
+    digest = hashlib.sha256(target.config.to_json_string().encode())
+    head = plain_lm_head(target)
+    tensors = [decoder_layers(target)[0].state_dict()[k] for k in sorted(decoder_layers(target)[0].state_dict())]
+    tensors += [head.weight] if head is not None else []
+    for tensor in tensors:
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes()[: 1 << 22])
+    return digest.hexdigest()[:32]
+
+
+class FeatureCache:
+    """A dumped cache, opened for reading (`open`) or filled by `build`."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = path
+        self.meta = meta
+        self.layers: list[int] = meta["layers"]
+        self.dim: int = meta["dim"]
+        self.dtype = meta["dtype"]
+        self._offsets = np.array(meta["offsets"], dtype=np.int64)
+        self._lengths = np.array(meta["lengths"], dtype=np.int64)
+        self._arrays: dict[str, np.memmap] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self.meta["done"] == len(self.meta["lengths"])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.meta["bytes"])
+
+    def _array(self, name: str) -> np.memmap:
+        if name not in self._arrays:
+            tokens = int(self._lengths.sum())
+            width = {"features": len(self.layers) * self.dim, "final": self.dim}[name]
+            self._arrays[name] = np.memmap(self.path / f"{name}.bin", dtype=_DTYPES[self.dtype][1], mode="r",
+                                           shape=(tokens, width))
+        return self._arrays[name]
+
+    def batch(self, samples: Sequence[Sample], indices: Sequence[int], layers: Sequence[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The samples at `indices`, right-padded: (ids [B, T], attention [B, T], loss mask [B, T],
+        aux [B, T, len(layers) * d] float32 in `layers`' order, final normed state [B, T, d] float32)."""
+        missing = [l for l in layers if l not in self.layers]
+        if missing:
+            raise ValueError(f"feature_cache: {self.path} holds layers {self.layers}, not {missing}; dump them too")
+        picked = [samples[i] for i in indices]
+        ids, attention, loss = pad_samples(picked)
+        width = ids.shape[1]
+        columns = np.concatenate([np.arange(self.layers.index(l) * self.dim, (self.layers.index(l) + 1) * self.dim)
+                                  for l in layers])
+        aux = torch.zeros(len(picked), width, len(layers) * self.dim)
+        final = torch.zeros(len(picked), width, self.dim)
+        features, finals = self._array("features"), self._array("final")
+        for b, i in enumerate(indices):
+            start, length = int(self._offsets[i]), int(self._lengths[i])
+            aux[b, :length] = _to_float(features[start : start + length][:, columns], self.dtype)
+            final[b, :length] = _to_float(finals[start : start + length], self.dtype)
+        return ids, attention, loss, aux, final
+
+
+def _to_float(array: np.ndarray, dtype: str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.array(array))  # a copy: the memmap is read-only
+    return tensor.view(torch.bfloat16).float() if dtype == "bfloat16" else tensor
+
+
+def _from_float(tensor: torch.Tensor, dtype: str) -> np.ndarray:
+    return tensor.to(_DTYPES[dtype][0]).contiguous().view(torch.uint16 if dtype == "bfloat16" else torch.float32).numpy()
+
+
+def open_cache(path: str | os.PathLike) -> FeatureCache:
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        raise ValueError(f"feature_cache: {path} has no {META_FILE}; dump it first (train-draft --cache-dir)")
+    return FeatureCache(path, json.loads((path / META_FILE).read_text()))
+
+
+def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | os.PathLike, *,
+          dtype: str = "float32", max_bytes: int = DEFAULT_MAX_BYTES, batch_size: int = 8,
+          progress: bool = True) -> FeatureCache:
+    """Dump (or continue dumping) the cache of `samples` for `layers` into `path`; see the module
+    docstring. An existing complete cache of the same target and data that holds `layers` is
+    returned as it is; one of another target, data or layers is refused."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+    head = plain_lm_head(target)
+    if head is None:
+        raise ValueError("feature_cache: the target's logits are not a plain linear head of its final state "
+                         "(soft-capped or scaled): train online")
+    path = Path(path)
+    layers = sorted(set(int(l) for l in layers))
+    dim = target.get_input_embeddings().weight.shape[1]
+    lengths = [len(s.ids) for s in samples]
+    tokens = sum(lengths)
+    element = 4 if dtype == "float32" else 2
+    size = tokens * (len(layers) + 1) * dim * element
+    identity = {"version": _VERSION, "target": target_fingerprint(target), "samples": samples_fingerprint(samples),
+                "layers": layers, "dim": dim, "dtype": dtype}
+    if (path / META_FILE).is_file():
+        meta = json.loads((path / META_FILE).read_text())
+        if {k: meta.get(k) for k in identity} != identity:
+            held = {k: meta.get(k) for k in ("layers", "dtype")}
+            raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set ({held}); "
+                             "use another folder")
+        cache = FeatureCache(path, meta)
+        if cache.complete:
+            return cache
+    else:
+        if size > max_bytes:
+            raise ValueError(f"max_cache_bytes: the cache of {len(samples)} samples ({tokens} tokens) x {len(layers)} "
+                             f"layers + the final state in {dtype} needs {size / 2**30:.2f} GiB, over the bound "
+                             f"{max_bytes / 2**30:.2f} GiB; dump fewer layers or samples, or use bfloat16")
+        path.mkdir(parents=True, exist_ok=True)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if samples else []
+        # Dumped longest first, so that a batch holds samples of similar length (padding is forward work).
+        order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+        meta = {**identity, "offsets": [int(o) for o in offsets], "lengths": lengths, "tokens": tokens,
+                "bytes": size, "order": order, "done": 0}
+        for name, width in (("features", len(layers) * dim), ("final", dim)):
+            with open(path / f"{name}.bin", "wb") as f:
+                f.truncate(tokens * width * element)
+        _write_meta(path, meta)
+        cache = FeatureCache(path, meta)
+    _fill(target, samples, cache, batch_size, progress)
+    return cache
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    tmp = path / f"{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, path / META_FILE)
+
+
+@torch.inference_mode()
+def _fill(target, samples: Sequence[Sample], cache: FeatureCache, batch_size: int, progress: bool) -> None:
+    """Forward the samples not yet dumped, in the meta's order, batch by batch (each batch written,
+    then the meta's `done` count advanced: a crash loses at most the batch under way)."""
+    from tqdm.auto import tqdm
+
+    meta = cache.meta
+    dim, layers = cache.dim, cache.layers
+    features = np.memmap(cache.path / "features.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
+                         shape=(meta["tokens"], len(layers) * dim))
+    finals = np.memmap(cache.path / "final.bin", dtype=_DTYPES[cache.dtype][1], mode="r+", shape=(meta["tokens"], dim))
+    device = target.get_input_embeddings().weight.device
+    order = meta["order"]
+    bar = tqdm(total=meta["tokens"], initial=sum(meta["lengths"][i] for i in order[: meta["done"]]), unit="tok",
+               unit_scale=True,
+               desc=f"dump features (threads: {torch.get_num_threads()})", disable=not progress)
+    was_training = target.training
+    target.eval()
+    try:
+        with DeferredInterrupt("the feature cache") as interrupt:
+            while meta["done"] < len(samples):
+                batch = order[meta["done"] : meta["done"] + batch_size]
+                ids, attention, _ = pad_samples([samples[i] for i in batch])
+                with capture_hidden_states(target, layers=layers) as cap:
+                    final = target.base_model(input_ids=ids.to(device), attention_mask=attention.to(device),
+                                              use_cache=False).last_hidden_state
+                for b, i in enumerate(batch):
+                    start, length = meta["offsets"][i], meta["lengths"][i]
+                    stacked = torch.cat([cap.states[l][b, :length].float().cpu() for l in layers], dim=-1)
+                    features[start : start + length] = _from_float(stacked, cache.dtype)
+                    finals[start : start + length] = _from_float(final[b, :length].float().cpu(), cache.dtype)
+                features.flush()
+                finals.flush()
+                meta["done"] += len(batch)
+                _write_meta(cache.path, meta)
+                bar.update(sum(meta["lengths"][i] for i in batch))
+                interrupt.raise_if_requested()
+    finally:
+        bar.close()
+        target.train(was_training)

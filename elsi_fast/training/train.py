@@ -1,0 +1,493 @@
+"""EAGLE3-style training of a draft head on any set of target layers, and its acceptance length.
+
+The target runs online (no grad): each batch's hidden states at the chosen layers are captured
+with the analysis hooks (`capture.capture_hidden_states`, input-to-layer ids) together with the
+target's next-token logits. The draft is trained with the training-time test of EAGLE3
+(`Eagle3Draft.ttt_forward`): step i feeds back the draft's own step i-1 output and predicts one
+token further; its loss is the cross-entropy between the draft distribution and the target's
+next-token distribution restricted to the draft vocabulary (renormalized), weighted 0.8^i.
+
+Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`save_pretrained`), and
+``out_dir/training_state.pt`` the draft weights, optimizer, schedule, data-sampler state and step,
+written atomically, so an interrupted run resumes where it stopped and ends with the same weights
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import torch
+
+from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
+from ..draft import Eagle3Config, Eagle3Draft
+from .feature_cache import samples_fingerprint
+from .._infra.interrupt import DeferredInterrupt
+from .._infra.native_names import TRAINING_PRECISIONS
+from ..analysis.pass_state import rank_and_world
+from .._infra.state_files import load_state, save_state
+from .training_data import Sample, pad_samples, token_stream
+
+if TYPE_CHECKING:
+    from .feature_cache import FeatureCache
+
+STATE_FILE = "training_state.pt"
+SUMMARY_FILE = "train_summary.json"
+TTT_DECAY = 0.8
+# Conversations of a batch are run in length-sorted groups of this many, each padded to its own
+# longest: on the 800 SmolLM2 training conversations a random batch of 16 padded as one is 70% real
+# tokens, in groups of 4 it is 91%, with the same loss and gradient (the groups' gradients add up).
+MICRO_BATCH = 4
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def training_precision(precision: str, device: torch.device) -> str:
+    """What `precision` means on `device`: "auto" is bf16 autocast on a GPU with bf16 and on a CPU
+    that multiplies bf16 natively (AVX512-BF16, AMX), where a step runs about 1.7x faster
+    (bench/bench_train.py), and fp32 elsewhere (AVX2: bf16 there is emulated). Under bf16 the
+    master weights, the optimizer, norms, softmax and the loss stay fp32 (torch.autocast)."""
+    if precision not in TRAINING_PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(TRAINING_PRECISIONS)}, got {precision!r}")
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    from .._infra._backends import native_bf16_cpu
+
+    return "bfloat16" if device.type == "cpu" and native_bf16_cpu() else "float32"
+
+
+def draft_vocab_ids(token_ids: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """Target ids of the draft vocabulary: the `draft_vocab_size` most frequent ids in `token_ids`.
+
+    Sorted ascending, as `Eagle3Draft.set_draft_vocab` needs (draft id i -> target id
+    ids[i] = i + d2t[i]). Ties in frequency go to the smaller id; ids never seen fill the
+    remainder in id order.
+    """
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size: must be in 1..{vocab_size} (the target vocab), got {draft_vocab_size}")
+    if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
+        raise ValueError(f"token_ids: ids must be in 0..{vocab_size - 1}")
+    counts = torch.bincount(token_ids.flatten(), minlength=vocab_size)
+    # A stable sort on -count keeps id order among equal counts.
+    order = torch.sort(-counts, stable=True).indices
+    return torch.sort(order[:draft_vocab_size]).values
+
+
+def draft_config_for(target, layers: Sequence[int], draft_vocab_size: int, **overrides) -> Eagle3Config:
+    """An `Eagle3Config` shaped like the target's own blocks (EAGLE3's choice), reading `layers`.
+
+    `overrides` are `Eagle3Config` fields (intermediate_size, heads, ...); hidden_size is the
+    target's, since the draft shares the target's token embedding.
+    """
+    tc = target.config
+    fields = dict(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+        head_dim=getattr(tc, "head_dim", None), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab_size,
+        target_hidden_size=tc.hidden_size,
+        rope_theta=getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        aux_layer_ids=tuple(int(layer) for layer in layers),
+    )
+    if overrides.get("hidden_size", tc.hidden_size) != tc.hidden_size:
+        raise ValueError(
+            f"draft_config: hidden_size must equal the target's ({tc.hidden_size}): the draft "
+            "concatenates the target's token embedding with its own hidden state"
+        )
+    if "num_attention_heads" in overrides and "head_dim" not in overrides:
+        fields["head_dim"] = None  # re-derived from hidden_size and the new head count
+    fields.update(overrides)
+    return Eagle3Config(**fields)
+
+
+def _check_layers(target, layers: Sequence[int]) -> list[int]:
+    num_blocks = len(decoder_layers(target))
+    layers = [int(layer) for layer in layers]
+    if not layers:
+        raise ValueError("layers: expected at least one target layer")
+    if sorted(set(layers)) != layers:
+        raise ValueError(f"layers: must be strictly increasing (engines concatenate in layer order), got {layers}")
+    if layers[0] < 0 or layers[-1] > num_blocks:
+        raise ValueError(f"layers: ids must be in 0..{num_blocks} (input-to-layer, N={num_blocks}), got {layers}")
+    return layers
+
+
+class _WindowBatches:
+    """Raw text: windows of `seq_len` tokens of the token stream, every draft row in the loss."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int):
+        if stream.numel() < seq_len:
+            raise ValueError(f"texts: {stream.numel()} tokens, fewer than seq_len={seq_len}")
+        self.stream, self.offsets = stream, torch.arange(seq_len)
+
+    def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, self.stream.numel() - len(self.offsets) + 1, (batch_size,), generator=sampler)
+
+    def micro_batches(self, picked: torch.Tensor) -> list[torch.Tensor]:
+        return [picked]  # windows are all seq_len long: nothing to save
+
+    @torch.no_grad()
+    def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
+        ids = self.stream[picked[:, None] + self.offsets].to(device)
+        with capture_hidden_states(target, layers=layers) as cap:
+            logits = target(input_ids=ids).logits
+        aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
+        probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1).flatten(0, 1)
+        rows = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+        return aux, ids[:, 1:], probs, rows, ids.numel()
+
+
+class _SampleBatches:
+    """Conversations: whole samples, right-padded; a draft row is in the loss when the token it
+    predicts is part of the answer. Features from the target online, or from a `FeatureCache`."""
+
+    def __init__(self, samples: Sequence[Sample], cache: "FeatureCache | None", head_weight: torch.Tensor | None):
+        self.samples, self.cache, self.head_weight = samples, cache, head_weight
+
+    def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, len(self.samples), (batch_size,), generator=sampler)
+
+    def micro_batches(self, picked: torch.Tensor) -> list[torch.Tensor]:
+        """`picked` in groups of MICRO_BATCH samples of similar length (less padding)."""
+        lengths = torch.tensor([len(self.samples[i].ids) for i in picked.tolist()])
+        ordered = picked[torch.argsort(lengths, stable=True)]
+        return list(ordered.split(MICRO_BATCH))
+
+    @torch.no_grad()
+    def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
+        if self.cache is not None:
+            ids, attention, loss_mask, aux, final = self.cache.batch(self.samples, picked.tolist(), layers)
+            rows = _label_rows(loss_mask).to(device)
+            aux, ids = aux[:, :-1].to(device), ids.to(device)
+            logits = torch.nn.functional.linear(final[:, 1:].to(device)[rows], self.head_weight[draft_vocab].float())
+        else:
+            ids, attention, loss_mask = pad_samples([self.samples[i] for i in picked.tolist()])
+            rows = _label_rows(loss_mask).to(device)
+            ids = ids.to(device)
+            with capture_hidden_states(target, layers=layers) as cap:
+                logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:][rows][:, draft_vocab]
+            aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
+        return aux, ids[:, 1:], torch.softmax(logits.float(), dim=-1), rows, int(attention.sum())
+
+
+def _label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] draft rows in the loss: row t (features h_t, token x_{t+1}) is trained on the
+    target's prediction of x_{t+2}, so it is in when x_{t+2} is an answer token."""
+    rows = torch.zeros(loss_mask.shape[0], loss_mask.shape[1] - 1, dtype=torch.bool)
+    rows[:, :-1] = loss_mask[:, 2:]
+    return rows
+
+
+def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions: torch.Tensor,
+             counts: Sequence[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Weighted training-time-test loss over the rows in the loss, packed.
+
+    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order);
+    positions [n]: their s. step_logits[i] [n_i, Vd] (`Eagle3Draft.ttt_forward(...,
+    label_rows=...)`): step i's logits at (b, s - i) for the rows with s >= i, labelled by those
+    rows' probs (step i at position t predicts token t + 2 + i, the label of row t + i).
+    counts[i]: the number of rows step i averages over (default: this batch's; under
+    torch.distributed, every rank's). Returns (sum_i 0.8^i * mean cross-entropy_i, per-step
+    cross-entropy sums, [step-0 top-1 agreements, rows]) as plain numbers for logging.
+    """
+    total = probs.new_zeros(())
+    sums: list[float] = []
+    for i, logits in enumerate(step_logits):
+        labels = probs[positions >= i]
+        ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        count = float(labels.shape[0]) if counts is None else counts[i]
+        total = total + TTT_DECAY**i * ce.sum() / max(count, 1.0)
+        sums.append(float(ce.detach().sum()))
+    agree = (step_logits[0].detach().argmax(-1) == probs.argmax(-1)).float().sum()
+    return total, sums, [float(agree), float(probs.shape[0])]
+
+
+def _row_counts(positions: torch.Tensor, steps: int) -> list[float]:
+    """Rows of each training-time-test step: the label rows at positions >= i, for i < steps."""
+    return [float((positions >= i).sum()) for i in range(steps)]
+
+
+def _all_reduce_sum(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Sum the ranks' gradients: each rank's loss is already divided by the global row counts, so
+    the sum is the gradient of the single-process loss on the whole global batch."""
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def init_from_target(draft: Eagle3Draft, target) -> None:
+    """Warm start: the draft's layer from the target's last block where shapes allow and the block
+    computes what the draft's Llama layer does, its final norm and head rows from the target's. fc
+    maps the m target states to their mean (identity blocks / m), so the first step sees the states
+    themselves; q/k/v read the hidden half of the 2d concat with the target's weights and start at
+    zero on the embedding half."""
+    block = decoder_layers(target)[-1]
+    attention_transfers, mlp_transfers, norms_transfer = _llama_parts(block, target)
+    weights = {name: w for name, w in block.named_parameters()
+               if (name.startswith("self_attn.") and attention_transfers) or (name.startswith("mlp.") and mlp_transfers)}
+    own = draft.midlayer
+    d = draft.config.hidden_size
+    with torch.no_grad():
+        m = draft.config.num_aux_layers
+        if draft.config.target_hidden_size == d:
+            draft.fc.weight.copy_(torch.cat([torch.eye(d)] * m, dim=1) / m)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            source = weights.get(f"self_attn.{name}.weight")
+            target_weight = getattr(own.self_attn, name).weight
+            if source is not None and source.shape == (target_weight.shape[0], d):
+                target_weight.zero_()
+                target_weight[:, d:] = source
+        pairs = {"self_attn.o_proj.weight": own.self_attn.o_proj.weight, "mlp.gate_proj.weight": own.mlp.gate_proj.weight,
+                 "mlp.up_proj.weight": own.mlp.up_proj.weight, "mlp.down_proj.weight": own.mlp.down_proj.weight}
+        for name, parameter in pairs.items():
+            if name in weights and weights[name].shape == parameter.shape:
+                parameter.copy_(weights[name])
+        norms = {draft.norm: getattr(target.base_model, "norm", None)}
+        if norms_transfer:  # the block's norms sit where the draft's do
+            norms.update({own.post_attention_layernorm: getattr(block, "post_attention_layernorm", None),
+                          own.input_layernorm: getattr(block, "input_layernorm", None),
+                          own.hidden_norm: getattr(block, "input_layernorm", None)})
+        for mine, theirs in norms.items():
+            if isinstance(getattr(theirs, "weight", None), torch.Tensor) and theirs.weight.shape == mine.weight.shape:
+                # Gemma's RMSNorm scales by (1 + weight), the draft's (as Llama's) by weight.
+                mine.weight.copy_(theirs.weight + (1.0 if type(theirs).__name__.startswith("Gemma") else 0.0))
+        head = target.get_output_embeddings()
+        ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
+        if head is not None and head.weight.shape[1] == d:
+            draft.lm_head.weight.copy_(head.weight[ids.to(head.weight.device)])
+
+
+def _llama_parts(block, target) -> tuple[bool, bool, bool]:
+    """Whether the target block's attention, MLP and norms compute what the draft's Llama layer's
+    do, so their weights are a warm start. Not where the block normalizes q and k (Qwen3, Gemma 3), wraps
+    attention and MLP in extra norms (Gemma's sandwich: copied, their outputs would enter the
+    residual unnormalized, at the scale of Gemma's stream) or activates with other than SiLU.
+    Copying Gemma 3's block diverged (docs/method.md, section 6, warm start)."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    sandwich = hasattr(block, "pre_feedforward_layernorm") or hasattr(block, "post_feedforward_layernorm")
+    attention = getattr(block, "self_attn", None)
+    qk_norm = attention is not None and (hasattr(attention, "q_norm") or hasattr(attention, "k_norm"))
+    return not (sandwich or qk_norm), not sandwich and activation == "silu", not sandwich
+
+
+def warmup_cosine(step: int, warmup: int, steps: int) -> float:
+    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * frac))
+
+
+def train_draft(
+    target,
+    tokenizer,
+    layers: Sequence[int],
+    data: Sequence[str] | Sequence[Sample],
+    *,
+    out_dir: str | os.PathLike,
+    draft_config: Mapping | None = None,
+    draft_vocab_size: int | None = None,
+    steps: int = 200,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    warmup: int = 20,
+    ttt_steps: int = 3,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    init: str = "random",
+    feature_cache: "FeatureCache | None" = None,
+    save_every: int = 50,
+    keep_steps: Sequence[int] = (),
+    precision: str = "auto",
+    resume: bool = True,
+    progress: bool = True,
+) -> Eagle3Draft:
+    """Train an EAGLE3 draft reading target layers `layers` (input-to-layer ids) on `data`.
+
+    target: a transformers causal LM (frozen). data: raw texts (windows of `seq_len` tokens of their
+    concatenation, every position in the loss) or conversation `Sample`s (`training_data`: the
+    target's own answers, whole samples, the loss on the answer tokens only). feature_cache: a
+    `feature_cache.FeatureCache` dumped from these samples: the target then never runs (offline
+    training). draft_config: `Eagle3Config` field overrides (default: the target's block shape).
+    draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
+    min(vocab, 1024)). ttt_steps: training-time-test depth (EAGLE3 uses 7). init: "random" or
+    "target" (`init_from_target`). batch_size is the global batch: under torch.distributed each rank
+    takes its share of every step's batch and the gradients are summed, which gives the weights of
+    one process on the same batches (to float tolerance). The training state is saved to `out_dir`
+    every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt is
+    raised); with `resume` a rerun continues from it. keep_steps: steps whose draft is also kept,
+    in `out_dir/checkpoints/step-NNNNNN/` (EAGLE3 folders: a curve of tau against tokens seen).
+    precision: "auto", "float32" or "bfloat16" (`training_precision`); it is not part of the
+    settings a resume checks, so a run moved to another machine continues at that machine's.
+    Returns the trained draft in eval mode; the EAGLE3 checkpoint and `train_summary.json` are in
+    `out_dir` (written by rank 0).
+    """
+    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 3),
+                             ("ttt_steps", ttt_steps, 1), ("save_every", save_every, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if not lr > 0:
+        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    if init not in ("random", "target"):
+        raise ValueError(f"init: expected 'random' or 'target', got {init!r}")
+    rank, world = rank_and_world()
+    if batch_size % world:
+        raise ValueError(f"batch_size: the global batch of {batch_size} does not split over {world} processes")
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= steps for k in keep_steps):
+        raise ValueError(f"keep_steps: expected steps in 1..{steps}, got {list(keep_steps)}")
+    layers = _check_layers(target, layers)
+    vocab_size = target.config.vocab_size
+    draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    start_time = time.perf_counter()
+
+    source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
+    vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
+    # A token outside the draft vocabulary can never be drafted: the share inside caps acceptance.
+    coverage = float(torch.isin(predicted, vocab_ids).float().mean()) if predicted.numel() else 1.0
+    config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
+    torch.manual_seed(seed)
+    embed = target.get_input_embeddings().weight.detach()
+    draft = Eagle3Draft(config, embed)
+    draft.set_draft_vocab(vocab_ids)
+    if init == "target":
+        init_from_target(draft, target)
+    device = embed.device
+    requested_precision, precision = precision, training_precision(precision, device)
+    draft.to(device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, steps))
+    sampler = torch.Generator().manual_seed(seed)
+    run_args = {"layers": layers, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                "warmup": warmup, "ttt_steps": ttt_steps, "weight_decay": weight_decay, "seed": seed,
+                "draft_vocab_size": draft_vocab_size, "init": init, "data": data_kind, "config": config.to_dict()}
+    step, history = 0, []
+    if resume and state_path.is_file():
+        state = load_state(state_path, "resume")
+        if state["args"] != run_args:
+            raise ValueError(f"resume: {state_path} was written by a run with different settings; "
+                             "use another out_dir or resume=False")
+        draft.load_state_dict({name: tensor.to(device) for name, tensor in state["draft"].items()})
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        sampler.set_state(state["sampler"])
+        step, history = state["step"], state["history"]
+
+    def save() -> None:
+        if rank == 0:
+            save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
+                        "step": step, "history": history}, state_path)
+            draft.save_pretrained(out)
+            if step in keep_steps:
+                draft.save_pretrained(out / CHECKPOINTS_DIR / f"step-{step:06d}")
+
+    from tqdm.auto import tqdm
+
+    was_training = target.training
+    target.eval()
+    draft.train()
+    local = batch_size // world
+    tokens_seen, step_seconds = 0, 0.0
+    bar = tqdm(total=steps, initial=step, desc=f"train draft {layers} ({precision}, threads: {torch.get_num_threads()})",
+               disable=not progress or rank != 0)
+    # Ctrl-C mid-step would leave the draft and its optimizer out of step: it waits for the step's
+    # end, where the state is saved.
+    try:
+        with DeferredInterrupt("the training state") as interrupt:
+            while step < steps:
+                began = time.perf_counter()
+                picked = source.draw(batch_size, sampler)[rank * local : (rank + 1) * local]
+                groups = [source.features(target, layers, group, vocab_ids.to(device), device)
+                          for group in source.micro_batches(picked)]
+                positions = [rows.nonzero(as_tuple=True)[1] for _, _, _, rows, _ in groups]
+                counts = _all_reduce_sum([sum(c) for c in zip(*(_row_counts(p, ttt_steps) for p in positions))], world)
+                optimizer.zero_grad(set_to_none=True)
+                sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
+                for (aux, next_ids, probs, rows, group_tokens), group_positions in zip(groups, positions):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+                        step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
+                    loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
+                    loss.backward()  # each group's loss is over the global row counts: the gradients add up
+                    sums = [a + b for a, b in zip(sums, group_sums)]
+                    agree = [a + b for a, b in zip(agree, group_agree)]
+                    tokens += group_tokens
+                _average_gradients(params, world)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                schedule.step()
+                step += 1
+                totals = _all_reduce_sum([*sums, *agree, float(tokens)], world)
+                per_step = [s / max(c, 1.0) for s, c in zip(totals[: len(sums)], counts)]
+                top1 = totals[len(sums)] / max(totals[len(sums) + 1], 1.0)
+                weighted = sum(TTT_DECAY**i * ce for i, ce in enumerate(per_step))
+                history.append({"step": step, "loss": weighted, "step_losses": per_step, "top1": top1,
+                                "tokens": int(totals[-1])})
+                tokens_seen += int(totals[-1])
+                step_seconds += time.perf_counter() - began
+                bar.update(1)
+                bar.set_postfix(loss=f"{weighted:.3f}", top1=f"{top1:.2f}", tok_s=f"{tokens_seen / step_seconds:.0f}")
+                if step % save_every == 0 or step == steps or step in keep_steps or interrupt.requested:
+                    save()
+                interrupt.raise_if_requested()
+    finally:
+        bar.close()
+        target.train(was_training)
+    draft.eval()
+    if rank == 0:
+        summary = {**run_args, "draft_vocab_coverage": coverage, "precision": requested_precision, "precision_this_run": precision, "seconds_this_run": time.perf_counter() - start_time,
+                   "tokens_per_second_this_run": tokens_seen / step_seconds if step_seconds else None,
+                   "final_loss": history[-1]["loss"], "history": history}
+        (out / SUMMARY_FILE).write_text(json.dumps(summary))
+    return draft
+
+
+def _batches(target, tokenizer, data, seq_len: int, feature_cache):
+    """(batch source, the tokens the draft learns to predict (for its vocabulary), data kind)."""
+    if isinstance(data, str) or not data:
+        raise ValueError("data: expected a non-empty list of texts or conversation samples")
+    if all(isinstance(item, Sample) for item in data):
+        head = None
+        if feature_cache is not None:
+            if feature_cache.meta["samples"] != samples_fingerprint(data):
+                raise ValueError(f"feature_cache: {feature_cache.path} was dumped from other samples")
+            if not feature_cache.complete:
+                raise ValueError(f"feature_cache: {feature_cache.path} is not complete; finish dumping it first")
+            head = plain_lm_head(target).weight.detach()
+        predicted = torch.cat([s.ids[s.loss_mask] for s in data])
+        return _SampleBatches(data, feature_cache, head), predicted, "conversations"
+    if feature_cache is not None:
+        raise ValueError("feature_cache: only conversation samples are dumped; raw texts train online")
+    stream = token_stream(tokenizer, data)
+    return _WindowBatches(stream, seq_len), stream, "texts"

@@ -1,0 +1,72 @@
+"""The offline feature cache (elsi_fast.training.feature_cache): what it holds, resuming a dump, its bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elsi_fast.training import feature_cache as fc
+from elsi_fast.targets.capture import capture_hidden_states
+from tiny_lm import TARGET, conversation_samples_of_tiny_target
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    return conversation_samples_of_tiny_target(tmp_path_factory.mktemp("conversations"), count=9)
+
+
+def _direct(sample, layers):
+    with torch.inference_mode(), capture_hidden_states(TARGET, layers=layers) as cap:
+        final = TARGET.base_model(input_ids=sample.ids[None]).last_hidden_state[0]
+    return torch.cat([cap.states[l][0] for l in layers], dim=-1), final
+
+
+def test_the_cache_holds_each_samples_states_and_final_normed_state(samples, tmp_path):
+    cache = fc.build(TARGET, samples, [3, 1], tmp_path, batch_size=4, progress=False)
+    assert cache.complete and cache.layers == [1, 3]
+    assert cache.nbytes == sum(len(s.ids) for s in samples) * 3 * 32 * 4  # (2 layers + final) x d x fp32
+    ids, attention, loss, aux, final = cache.batch(samples, [4, 0], [3, 1])
+    for b, i in enumerate((4, 0)):
+        n = len(samples[i].ids)
+        expected_aux, expected_final = _direct(samples[i], [3, 1])
+        torch.testing.assert_close(aux[b, :n], expected_aux, rtol=1e-5, atol=1e-6)  # other padding, same math
+        torch.testing.assert_close(final[b, :n], expected_final, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ids[b, :n], samples[i].ids) and torch.equal(loss[b, :n], samples[i].loss_mask)
+        assert attention[b].sum() == n and not aux[b, n:].any()
+    assert fc.open_cache(tmp_path).meta == cache.meta
+
+
+def test_an_interrupted_dump_continues_to_the_same_cache(samples, tmp_path, monkeypatch):
+    whole = fc.build(TARGET, samples, [2], tmp_path / "whole", batch_size=2, progress=False)
+    real, calls = TARGET.base_model.forward, []
+
+    def stop_in_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(TARGET.base_model, "forward", stop_in_third)
+    with pytest.raises(KeyboardInterrupt):
+        fc.build(TARGET, samples, [2], tmp_path / "split", batch_size=2, progress=False)
+    monkeypatch.setattr(TARGET.base_model, "forward", real)
+    assert fc.open_cache(tmp_path / "split").meta["done"] == 4 and not fc.open_cache(tmp_path / "split").complete
+    resumed = fc.build(TARGET, samples, [2], tmp_path / "split", batch_size=2, progress=False)
+    everything = list(range(len(samples)))
+    for got, want in zip(resumed.batch(samples, everything, [2]), whole.batch(samples, everything, [2])):
+        assert torch.equal(got, want)
+
+
+def test_bound_other_layers_and_bfloat16(samples, tmp_path):
+    with pytest.raises(ValueError, match="max_cache_bytes: .* needs .* GiB, over the bound"):
+        fc.build(TARGET, samples, [1, 2, 3], tmp_path / "small", max_bytes=1000, progress=False)
+    assert not (tmp_path / "small").exists()
+    fc.build(TARGET, samples, [1], tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match="feature_cache: .* another target, data or layer set"):
+        fc.build(TARGET, samples, [1, 2], tmp_path / "c", progress=False)
+    half = fc.build(TARGET, samples, [1], tmp_path / "bf16", dtype="bfloat16", progress=False)
+    full = fc.open_cache(tmp_path / "c")
+    assert half.nbytes * 2 == full.nbytes
+    torch.testing.assert_close(half.batch(samples, [0], [1])[3], full.batch(samples, [0], [1])[3], rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        fc.build(TARGET, samples, [1], tmp_path / "d", dtype="fp8")
