@@ -290,8 +290,8 @@ def bench_accuracy() -> None:
     layer = target.config.num_hidden_layers - 1
     with tempfile.TemporaryDirectory() as out_dir:
         start = time.perf_counter()
-        draft = train_draft(target, tokenizer, [layer], [text[:cut]], out_dir=out_dir, steps=ACCURACY_TRAIN_STEPS,
-                            batch_size=8, seq_len=128, save_every=ACCURACY_TRAIN_STEPS, progress=False)
+        draft, _ = train_draft(target, tokenizer, [layer], [text[:cut]], out_dir=out_dir, steps=ACCURACY_TRAIN_STEPS,
+                               batch_size=8, seq_len=128, save_every=ACCURACY_TRAIN_STEPS, progress=False)
         train_s = time.perf_counter() - start
     ids = torch.tensor(tokenizer(text[cut:])["input_ids"][: ACCURACY_ROUNDS + 2])[None]
     with torch.no_grad(), capture_hidden_states(target, layers=[layer]) as cap:

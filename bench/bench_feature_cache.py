@@ -16,7 +16,6 @@ per second. The loss curves must agree (the cache is bfloat16 here, as the exper
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from bench.common import device_name, record  # noqa: E402
 from elsi_fast.training.feature_cache import build  # noqa: E402
 from elsi_fast.targets.loading import load_model  # noqa: E402
 from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations  # noqa: E402
-from elsi_fast.training.train import SUMMARY_FILE, train_draft  # noqa: E402
+from elsi_fast.training.train import train_draft  # noqa: E402
 from elsi_fast.training.training_data import conversation_samples  # noqa: E402
 
 RECIPE = dict(init="target", draft_vocab_size=8192, ttt_steps=3, batch_size=8, lr=3e-3, warmup=2, seq_len=512)
@@ -40,9 +39,8 @@ RECIPE = dict(init="target", draft_vocab_size=8192, ttt_steps=3, batch_size=8, l
 def _train(model, tokenizer, layers, samples, out: Path, steps: int, cache=None) -> tuple[float, list[float], int]:
     """(training tokens / s of the steps, loss curve, tokens in the loss) of one run from scratch; the
     draft's set-up (warm start, vocabulary) is the same for both and not counted."""
-    train_draft(model, tokenizer, layers, samples, out_dir=out, steps=steps, feature_cache=cache, resume=False,
-                progress=False, save_every=10**6, **RECIPE)
-    summary = json.loads((out / SUMMARY_FILE).read_text())
+    _, summary = train_draft(model, tokenizer, layers, samples, out_dir=out, steps=steps, feature_cache=cache,
+                             resume=False, progress=False, save_every=10**6, **RECIPE)
     history = summary["history"]
     return summary["tokens_per_second_this_run"], [h["loss"] for h in history], sum(h["tokens"] for h in history)
 

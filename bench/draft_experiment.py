@@ -168,10 +168,10 @@ def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[in
         return kept
     train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
     started = time.process_time()
-    draft = train_draft(model, tokenizer, layers, train, out_dir=cell, feature_cache=open_cache(out / "cache-train"),
-                        seed=seed, seq_len=MAX_TOKENS, save_every=10, **recipe)
+    draft, summary = train_draft(model, tokenizer, layers, train, out_dir=cell,
+                                 feature_cache=open_cache(out / "cache-train"), seed=seed, seq_len=MAX_TOKENS,
+                                 save_every=10, **recipe)
     train_cpu = time.process_time() - started
-    summary = json.loads((cell / "train_summary.json").read_text())
     records, cache = _records(out, "eval"), open_cache(out / "cache-eval")
     began = time.process_time()
     runs = replay_runs_per_k(draft, records, cache, KS, batch_size=16)

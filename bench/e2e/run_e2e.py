@@ -181,14 +181,14 @@ def worker(args) -> None:
         if result_path.is_file():
             continue
         start = time.perf_counter()
-        draft = train_draft(model, tokenizer, list(layers), texts, out_dir=Path(args.out) / "drafts" / name,
-                            draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
-                            seq_len=args.seq_len, lr=args.lr, warmup=max(1, args.steps // 10),
-                            ttt_steps=args.ttt_steps, seed=seed, progress=False)
+        draft, summary = train_draft(model, tokenizer, list(layers), texts, out_dir=Path(args.out) / "drafts" / name,
+                                     draft_vocab_size=args.draft_vocab_size, steps=args.steps,
+                                     batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                                     warmup=max(1, args.steps // 10), ttt_steps=args.ttt_steps, seed=seed,
+                                     progress=False)
         train_seconds = time.perf_counter() - start
         start = time.perf_counter()
         taus = evaluate_tau(model, draft, prompts, k=args.k, max_new_tokens=args.max_new_tokens)
-        summary = json.loads((Path(args.out) / "drafts" / name / "train_summary.json").read_text())
         result = {"layers": list(layers), "seed": seed, "tau": taus, "train_seconds": train_seconds,
                   "eval_seconds": time.perf_counter() - start, "final_loss": summary["final_loss"],
                   "final_top1": statistics.mean(h["top1"] for h in summary["history"][-10:])}

@@ -85,8 +85,8 @@ def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) ->
     for label, layers in contenders.items():
         folder = os.path.join(out, "drafts", "-".join(map(str, layers)))
         # Same budget and data order for both; a finished run in OUT is reused (resume).
-        draft = train_draft(model, tokenizer, layers, texts, out_dir=folder, steps=steps, batch_size=8,
-                            seq_len=128, warmup=max(1, steps // 10), seed=0, progress=progress)
+        draft, _ = train_draft(model, tokenizer, layers, texts, out_dir=folder, steps=steps, batch_size=8,
+                               seq_len=128, warmup=max(1, steps // 10), seed=0, progress=progress)
         taus[label] = evaluate_tau(model, draft, prompts, k=4, max_new_tokens=32, progress=progress)["all"]
     print(f"\n{'draft':<20} {'layers':<12} {'fc inputs':>9} {'tau (k=4)':>9}")
     for label, layers in contenders.items():

@@ -200,7 +200,7 @@ def train_handler(args: argparse.Namespace) -> int:
             print(f"feature cache: {cache.path}, {cache.nbytes / 2**30:.2f} GiB for {cache.meta['tokens']} tokens x "
                   f"layers {cache.layers} + the final state ({cache.dtype})")
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
-    draft = train_draft(
+    draft, summary = train_draft(
         model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
@@ -209,8 +209,6 @@ def train_handler(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     if rank_and_world()[0] == 0:
-        with open(os.path.join(args.out, "train_summary.json")) as f:
-            summary = json.load(f)
         print(f"trained draft on layers {list(draft.config.aux_layer_ids)} (input-to-layer): final loss "
               f"{summary['final_loss']:.4f}, {summary['tokens_per_second_this_run'] or 0:.0f} tokens/s "
               f"({summary['precision_this_run']}); EAGLE3 "

@@ -20,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -44,6 +44,15 @@ TTT_DECAY = 0.8
 # tokens, in groups of 4 it is 91%, with the same loss and gradient (the groups' gradients add up).
 MICRO_BATCH = 4
 CHECKPOINTS_DIR = "checkpoints"
+
+
+class TrainedDraft(NamedTuple):
+    """What `train_draft` returns: the trained draft and the summary of the run, the dict
+    `train_summary.json` holds (the settings, draft-vocabulary coverage, precision, seconds and
+    training tokens/s of this run, final loss, and the per-step history of loss, top-1 and tokens)."""
+
+    draft: Eagle3Draft
+    summary: dict
 
 
 def training_precision(precision: str, device: torch.device) -> str:
@@ -329,7 +338,7 @@ def train_draft(
     precision: str = "auto",
     resume: bool = True,
     progress: bool = True,
-) -> Eagle3Draft:
+) -> TrainedDraft:
     """Train an EAGLE3 draft reading target layers `layers` (input-to-layer ids) on `data`.
 
     target: a transformers causal LM (frozen). data: raw texts (windows of `seq_len` tokens of their
@@ -347,7 +356,8 @@ def train_draft(
     in `out_dir/checkpoints/step-NNNNNN/` (EAGLE3 folders: a curve of tau against tokens seen).
     precision: "auto", "float32" or "bfloat16" (`training_precision`); it is not part of the
     settings a resume checks, so a run moved to another machine continues at that machine's.
-    Returns the trained draft in eval mode; the EAGLE3 checkpoint and `train_summary.json` are in
+    Returns a `TrainedDraft`: the trained draft in eval mode and the run's summary; the EAGLE3
+    checkpoint and the same summary (`train_summary.json`, for resumed runs and other tools) are in
     `out_dir` (written by rank 0).
     """
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 3),
@@ -465,12 +475,13 @@ def train_draft(
         bar.close()
         target.train(was_training)
     draft.eval()
+    summary = {**run_args, "draft_vocab_coverage": coverage, "precision": requested_precision,
+               "precision_this_run": precision, "seconds_this_run": time.perf_counter() - start_time,
+               "tokens_per_second_this_run": tokens_seen / step_seconds if step_seconds else None,
+               "final_loss": history[-1]["loss"], "history": history}
     if rank == 0:
-        summary = {**run_args, "draft_vocab_coverage": coverage, "precision": requested_precision, "precision_this_run": precision, "seconds_this_run": time.perf_counter() - start_time,
-                   "tokens_per_second_this_run": tokens_seen / step_seconds if step_seconds else None,
-                   "final_loss": history[-1]["loss"], "history": history}
         (out / SUMMARY_FILE).write_text(json.dumps(summary))
-    return draft
+    return TrainedDraft(draft, summary)
 
 
 def _batches(target, tokenizer, data, seq_len: int, feature_cache):

@@ -16,7 +16,7 @@ from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER
 
 
 def test_evaluate_tau_pools_rounds_per_category(tmp_path):
-    draft = train_draft(TARGET, TOKENIZER, [2, 4], TEXTS, out_dir=tmp_path, steps=3, seed=0, **SMALL)
+    draft, _ = train_draft(TARGET, TOKENIZER, [2, 4], TEXTS, out_dir=tmp_path, steps=3, seed=0, **SMALL)
     prompts = {"a": [TOKENIZER(TEXTS[0][:30])["input_ids"], TOKENIZER(TEXTS[1][:20])["input_ids"]],
                "b": [TOKENIZER(TEXTS[2][:40])["input_ids"]]}
     taus = evaluate_tau(TARGET, draft, prompts, k=3, max_new_tokens=10)
@@ -61,8 +61,8 @@ def replay_setup(tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("replay")
     samples = conversation_samples_of_tiny_target(tmp_path / "train", count=16, max_new_tokens=16)
-    draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "draft",
-                        **{**SMALL, "steps": 40, "lr": 1e-2, "batch_size": 4})
+    draft, _ = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "draft",
+                           **{**SMALL, "steps": 40, "lr": 1e-2, "batch_size": 4})
     prompts = [Prompt(text=TEXTS[(i * 5) % len(TEXTS)][3 + i : 30 + 4 * i], id=str(i), category=f"c{i % 2}", chat=True)
                for i in range(6)]
     regenerate(TARGET, TOKENIZER, prompts, tmp_path / "eval", max_new_tokens=20, batch_size=3, progress=False)

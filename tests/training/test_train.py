@@ -122,19 +122,20 @@ def samples(tmp_path_factory):
 
 
 def test_conversations_train_on_answer_tokens_only(samples, tmp_path):
-    draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path, **{**CONVERSATION_ARGS, "steps": 30})
-    history = json.loads((tmp_path / "train_summary.json").read_text())["history"]
+    draft, summary = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path,
+                                 **{**CONVERSATION_ARGS, "steps": 30})
+    # the returned summary is the one train_summary.json keeps for later readers
+    assert json.loads((tmp_path / "train_summary.json").read_text()) == json.loads(json.dumps(summary))
+    history = summary["history"]
     assert history[-1]["loss"] < history[0]["loss"]
     answers = torch.cat([s.ids[s.loss_mask] for s in samples])
     expected = draft_vocab_ids(answers, TARGET.config.vocab_size, CONVERSATION_ARGS["draft_vocab_size"])
     assert torch.equal(draft.draft_to_target(torch.arange(len(expected))), expected)
-    summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["draft_vocab_coverage"] == pytest.approx(float(torch.isin(answers, expected).float().mean()))
-    small = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "small",
-                        **{**CONVERSATION_ARGS, "steps": 1, "draft_vocab_size": 8})
+    small, small_summary = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "small",
+                                       **{**CONVERSATION_ARGS, "steps": 1, "draft_vocab_size": 8})
     covered = torch.isin(answers, small.draft_to_target(torch.arange(8))).float().mean()
     assert 0 < float(covered) < 1
-    small_summary = json.loads((tmp_path / "small" / "train_summary.json").read_text())
     assert small_summary["draft_vocab_coverage"] == pytest.approx(float(covered))
     assert all(h["tokens"] > 0 for h in history)
     # a batch's rows are exactly those whose predicted token lies in an answer
@@ -152,7 +153,8 @@ def test_offline_training_from_the_feature_cache_equals_online_training(samples,
     cache = build(TARGET, samples, [1, 2, 3], tmp_path / "cache", batch_size=3, progress=False)
     offline = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "offline", feature_cache=cache,
                           **CONVERSATION_ARGS)
-    curves = [json.loads((tmp_path / run / "train_summary.json").read_text())["history"] for run in ("online", "offline")]
+    curves = [run.summary["history"] for run in (online, offline)]
+    online, offline = online.draft, offline.draft
     assert [h["loss"] for h in curves[1]] == pytest.approx([h["loss"] for h in curves[0]], rel=1e-4)
     for name, tensor in online.state_dict().items():
         torch.testing.assert_close(offline.state_dict()[name], tensor, rtol=1e-3, atol=1e-4)
@@ -169,7 +171,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, samples) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=f"{out_dir}/ddp", **CONVERSATION_ARGS)
+        draft, _ = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=f"{out_dir}/ddp", **CONVERSATION_ARGS)
         torch.save(draft.state_dict(), f"{out_dir}/weights{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -178,7 +180,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, samples) ->
 def test_two_gloo_processes_give_the_weights_of_one(samples, tmp_path):
     import torch.multiprocessing as mp
 
-    single = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "one", **CONVERSATION_ARGS)
+    single, summary = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "one", **CONVERSATION_ARGS)
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), samples), nprocs=2, join=True)
     for rank in (0, 1):
         weights = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
@@ -187,16 +189,16 @@ def test_two_gloo_processes_give_the_weights_of_one(samples, tmp_path):
             # turns that rounding into ~4e-5 on a weight, while training on the wrong rows moves
             # weights by ~lr per step (the losses below pin the rows).
             torch.testing.assert_close(weights[name], tensor, rtol=1e-3, atol=3e-4)
-    one = json.loads((tmp_path / "one" / "train_summary.json").read_text())["history"]
-    two = json.loads((tmp_path / "ddp" / "train_summary.json").read_text())["history"]
+    one = summary["history"]
+    two = json.loads((tmp_path / "ddp" / "train_summary.json").read_text())["history"]  # written by rank 0
     assert [h["loss"] for h in two] == pytest.approx([h["loss"] for h in one], rel=1e-4)
     assert [h["tokens"] for h in two] == [h["tokens"] for h in one]
 
 
 def test_warm_start_copies_the_targets_last_block_head_rows_and_norm(tmp_path):
-    draft = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path, init="target",
-                        **{**SMALL, "steps": 1, "lr": 1e-12, "warmup": 0,
-                           "draft_config": {"num_attention_heads": 4, "num_key_value_heads": 2}})
+    draft, _ = train_draft(TARGET, TOKENIZER, [2], TEXTS, out_dir=tmp_path, init="target",
+                           **{**SMALL, "steps": 1, "lr": 1e-12, "warmup": 0,
+                              "draft_config": {"num_attention_heads": 4, "num_key_value_heads": 2}})
     block = TARGET.model.layers[-1]
     torch.testing.assert_close(draft.midlayer.mlp.down_proj.weight, block.mlp.down_proj.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(draft.midlayer.self_attn.q_proj.weight[:, 32:], block.self_attn.q_proj.weight,
@@ -217,9 +219,8 @@ def test_length_sorted_micro_batches_give_the_loss_and_weights_of_one_padded_bat
     runs = {}
     for group in (64, 3, 1):
         monkeypatch.setattr(train_mod, "MICRO_BATCH", group)
-        draft = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / str(group), **args)
-        history = json.loads((tmp_path / str(group) / "train_summary.json").read_text())["history"]
-        runs[group] = (draft.state_dict(), history)
+        draft, summary = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / str(group), **args)
+        runs[group] = (draft.state_dict(), summary["history"])
     (one, curve), picked = runs[64], torch.arange(6)
     for group in (3, 1):
         state, history = runs[group]
@@ -267,9 +268,8 @@ def test_bf16_autocast_follows_the_fp32_loss_curve_with_fp32_master_weights(samp
     args = {**CONVERSATION_ARGS, "steps": 12}
     curves = {}
     for precision in ("float32", "bfloat16"):
-        draft = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / precision,
-                            **{**args, "precision": precision})
-        summary = json.loads((tmp_path / precision / "train_summary.json").read_text())
+        draft, summary = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / precision,
+                                     **{**args, "precision": precision})
         assert summary["precision_this_run"] == precision and summary["precision"] == precision
         assert all(p.dtype == torch.float32 for p in draft.parameters())
         curves[precision] = [h["loss"] for h in summary["history"]]
