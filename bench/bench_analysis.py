@@ -1,6 +1,6 @@
 """Analysis benchmark: cost of the streaming statistics over a bare forward, and memory vs prompts.
 
-    python bench/bench_analysis.py [--device cuda] [--part overhead memory threshold]
+    python -m bench.bench_analysis [--device cuda] [--part overhead memory threshold]
 
 overhead:  analyze()'s pass time / bare forward time (the model's own forward, logits included) of
            the same batches (same tokens, batch size and length-sorted order), for SmolLM2-135M-
@@ -27,20 +27,23 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import device_name, record, shared_data, time_fn
+from elsi_fast.analysis.analyze import analyze
+from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer
+from elsi_fast.analysis.prompts import encode_prompt, load_prompts
 
-from bench.common import device_name, record, time_fn  # noqa: E402
-from elsi_fast.analysis.analyze import analyze  # noqa: E402
-from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer  # noqa: E402
-from elsi_fast.analysis.prompts import encode_prompt, load_prompts  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
-STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
-SPEC_BENCH = os.path.join(DATA, "prompts", "spec_bench_question.jsonl")
+
+def _stories() -> str:
+    return str(shared_data("models", "stories260K", "stories260K.bin"))
+
+
+def _spec_bench() -> str:
+    return str(shared_data("prompts", "spec_bench_question.jsonl"))
 
 
 def stories(device: str):
-    return load_llama2c(STORIES).to(device), load_llama2c_tokenizer(STORIES)
+    return load_llama2c(_stories()).to(device), load_llama2c_tokenizer(_stories())
 
 
 def random_llama(device: str, dtype: torch.dtype):
@@ -50,7 +53,7 @@ def random_llama(device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval(), load_llama2c_tokenizer(STORIES)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval(), load_llama2c_tokenizer(_stories())
 
 
 def smollm2(device: str, dtype: torch.dtype):
@@ -68,7 +71,7 @@ def smollm2(device: str, dtype: torch.dtype):
                              num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                              max_position_embeddings=8192)
         model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-        return model, load_llama2c_tokenizer(STORIES), "random model of SmolLM2-135M's config"
+        return model, load_llama2c_tokenizer(_stories()), "random model of SmolLM2-135M's config"
 
 
 def gemma3(device: str, dtype: torch.dtype):
@@ -103,7 +106,7 @@ def bare_forward_seconds(model, token_ids: list[list[int]], batch_size: int, dev
 
 
 def part_overhead(device: str, num_prompts: int, out: str, models: list[str], reps: int) -> None:
-    prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
+    prompts = load_prompts(_spec_bench(), max_prompts=num_prompts)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     builders = {"smollm2": lambda: smollm2(device, dtype),
                 "gemma3": lambda: gemma3(device, dtype),
@@ -139,7 +142,7 @@ def _rss_bytes(field: str) -> int:
 
 def _memory_child(device: str, num_prompts: int) -> dict:
     model, tokenizer = stories(device)
-    prompts = load_prompts(SPEC_BENCH, max_prompts=num_prompts)
+    prompts = load_prompts(_spec_bench(), max_prompts=num_prompts)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -159,7 +162,7 @@ def _memory_child(device: str, num_prompts: int) -> dict:
 def part_memory(device: str, counts: list[int], out: str) -> None:
     for count in counts:
         result = subprocess.run(
-            [sys.executable, __file__, "--device", device, "--memory-child", str(count)],
+            [sys.executable, "-m", "bench.bench_analysis", "--device", device, "--memory-child", str(count)],
             check=True, capture_output=True, text=True,
         )
         row = json.loads(result.stdout.strip().splitlines()[-1])
@@ -175,8 +178,8 @@ def part_threshold(device: str, num_prompts: int, thresholds: list[float], out: 
     (prompt-mode entropy grows with the token count)."""
     model, tokenizer = stories(device)
     sources = {
-        "spec_bench": SPEC_BENCH,
-        "tinystories": os.path.join(DATA, "corpus", "tinystories_valid_part.txt"),
+        "spec_bench": _spec_bench(),
+        "tinystories": str(shared_data("corpus", "tinystories_valid_part.txt")),
     }
     for source, path in sources.items():
         prompts = load_prompts(path, max_prompts=num_prompts)

@@ -1,6 +1,6 @@
 """The native m=1 draft step next to busy neighbours: fixed thread teams against the adaptive one.
 
-    python bench/bench_busy_neighbour.py [--reps 200] [--shape smollm2|llama8b]
+    python -m bench.bench_busy_neighbour [--reps 200] [--shape smollm2|llama8b]
 
 SmolLM2-135M draft shapes by default (d=576, 9 heads / 3 KV heads, intermediate 1536, draft
 vocabulary 8192, m=1, context 300). Three conditions, each measured after its neighbours started:
@@ -22,11 +22,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.draft import Eagle3Config, Eagle3Draft  # noqa: E402
-from elsi_fast.draft.native import NativeDraftDecoder  # noqa: E402
+from bench.common import device_name, record
+from elsi_fast.draft import Eagle3Config, Eagle3Draft
+from elsi_fast.draft.native import NativeDraftDecoder
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

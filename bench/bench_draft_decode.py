@@ -30,7 +30,7 @@ op (launched, and captured in a CUDA graph), HBM floor from a device copy.
 Also writes the memory rows of issue 5: weight bytes of m=1 vs m=3 drafts and the target-side
 capture buffer per token, for Llama-3.1-8B and Qwen3-4B shapes.
 
-Run from the repository root: `python bench/bench_draft_decode.py [--device cuda] [--quick] [--accuracy]`.
+Run from the repository root: `python -m bench.bench_draft_decode [--device cuda] [--quick] [--accuracy]`.
 On a CPU shared with other jobs the absolute times move with the load (recorded in every row);
 the interleaved ratios are what to compare.
 """
@@ -41,7 +41,6 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -50,11 +49,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import device_name, record, time_fn  # noqa: E402
-from elsi_fast.draft import Eagle3Config, Eagle3Draft, native  # noqa: E402
-from elsi_fast.draft.quant import QUANTIZED_LINEARS, quantize_int8  # noqa: E402
+from bench.common import device_name, record, shared_data, time_fn
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
+from elsi_fast.draft.quant import QUANTIZED_LINEARS, quantize_int8
 
 CONTEXT = 512
 SHAPES = {
@@ -72,9 +69,6 @@ SHAPES = {
 CPU_EMBED_ROWS = 32000
 THREADS = (1, 2)
 READ_BUFFER_BYTES = 512 << 20
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
-STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
-TINYSTORIES = os.path.join(DATA, "corpus", "tinystories_valid_part.txt")
 ACCURACY_TRAIN_STEPS = 300
 ACCURACY_ROUNDS = 100
 ACCURACY_CHAIN = 3
@@ -283,8 +277,9 @@ def bench_accuracy() -> None:
     from elsi_fast.training.train import train_draft
 
     torch.manual_seed(0)
-    target, tokenizer = load_llama2c(STORIES).eval(), load_llama2c_tokenizer(STORIES)
-    with open(TINYSTORIES) as f:
+    stories = str(shared_data("models", "stories260K", "stories260K.bin"))
+    target, tokenizer = load_llama2c(stories).eval(), load_llama2c_tokenizer(stories)
+    with open(shared_data("corpus", "tinystories_valid_part.txt")) as f:
         text = f.read()
     cut = int(0.9 * len(text))
     layer = target.config.num_hidden_layers - 1

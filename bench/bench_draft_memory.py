@@ -4,20 +4,15 @@ Counted on `Eagle3Draft` built on the meta device (no allocation), at the draft 
 Llama-3.1-8B and Qwen3-4B targets. Writes bench/results/draft_memory.jsonl; each m=1 row has the
 m=3 value as baseline and ratio = m1 / m3.
 
-    .venv/bin/python bench/bench_draft_memory.py
+    .venv/bin/python -m bench.bench_draft_memory
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import record  # noqa: E402
-from elsi_fast.draft import Eagle3Config, Eagle3Draft  # noqa: E402
+from bench.common import record
+from elsi_fast.draft import Eagle3Config, Eagle3Draft
 
 RESULTS = "draft_memory"
 TARGETS = {

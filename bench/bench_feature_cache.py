@@ -1,11 +1,11 @@
 """Offline draft training from the feature cache against online training, on a real target.
 
-    python bench/bench_feature_cache.py [--model smollm2-135m-instruct] [--conversations 64] [--steps 8]
+    python -m bench.bench_feature_cache [--model smollm2-135m-instruct] [--conversations 64] [--steps 8]
 
 Both train the same ELSI m=1 draft (h_18 for SmolLM2, `--layers`) with the same seed, batches and
 recipe (`--init target`, draft vocabulary 8192, 3 training-time-test steps) on the first
 `--conversations` of the draft experiment's regenerated training subset
-(runs/draft-experiment/<model>/train-subset, `bench/draft_experiment.py --stages data`): online runs
+(runs/draft-experiment/<model>/train-subset, `python -m bench.draft_experiment --stages data`): online runs
 the target's forward for every batch, offline reads the states from a cache built once for the
 layers (its build time is reported on its own: it is paid once for every layer set that trains from
 it). Timed alternately, `--reps` times each, medians of training tokens (answer tokens in the loss)
@@ -18,20 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.training.feature_cache import build  # noqa: E402
-from elsi_fast.targets.loading import load_model  # noqa: E402
-from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations  # noqa: E402
-from elsi_fast.training.train import train_draft  # noqa: E402
-from elsi_fast.training.training_data import conversation_samples  # noqa: E402
+from bench.common import device_name, record
+from elsi_fast.training.feature_cache import build
+from elsi_fast.targets.loading import load_model
+from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
+from elsi_fast.training.train import train_draft
+from elsi_fast.training.training_data import conversation_samples
 
 RECIPE = dict(init="target", draft_vocab_size=8192, ttt_steps=3, batch_size=8, lr=3e-3, warmup=2, seq_len=512)
 
@@ -61,7 +59,7 @@ def main() -> None:
 
     data = ROOT / "runs" / "draft-experiment" / args.model / "train-subset" / CONVERSATIONS_FILE
     if not data.is_file():
-        raise SystemExit(f"--model: no regenerated conversations at {data} (bench/draft_experiment.py --stages data)")
+        raise SystemExit(f"--model: no regenerated conversations at {data} (python -m bench.draft_experiment --stages data)")
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     records = read_conversations(data)[: args.conversations]
     samples = conversation_samples(records, tokenizer, RECIPE["seq_len"], model.config.vocab_size)

@@ -13,7 +13,6 @@ tests/kernels/.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from dataclasses import asdict
 
@@ -25,7 +24,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from bench.common import device_name, record, time_fn  # noqa: E402
+from bench.common import device_name, record, tests_module, time_fn  # noqa: E402
 from elsi_fast.kernels.covariance import CovarianceTiles, covariance_accumulate_  # noqa: E402
 from elsi_fast.kernels.covariance import default_tiles as covariance_default_tiles  # noqa: E402
 from elsi_fast.kernels.entropy import (  # noqa: E402
@@ -40,17 +39,8 @@ from elsi_fast.kernels.hsic import HsicTiles, minibatch_hsic  # noqa: E402
 from elsi_fast.kernels.hsic import default_tiles as hsic_default_tiles  # noqa: E402
 
 
-def _test_module(name: str):
-    """tests/kernels/<name>.py by path (a `tests` package elsewhere on sys.path cannot shadow it)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "kernels", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"elsi_fast_kernel_tests_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-entropy_reference = _test_module("test_entropy").entropy_reference
-u_center = _test_module("test_hsic").u_center
+entropy_reference = tests_module("kernels/test_entropy.py").entropy_reference
+u_center = tests_module("kernels/test_hsic.py").u_center
 
 FULL = dict(cov=(36, 4096, 2560), hsic=(37, 1024, 2560), entropy=(8192, 151936), linear=(8192, 2560, 151936),
             copy_bytes=2 << 30, matmul=8192)

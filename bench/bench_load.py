@@ -1,6 +1,6 @@
 """The README's main job and worked example, without and with a synthetic CPU load, as a user runs them.
 
-    flock /tmp/elsi-bench.lock .venv/bin/python bench/bench_load.py [--hogs 10] [--skip-demo] [--modes ...]
+    flock /tmp/elsi-bench.lock .venv/bin/python -m bench.bench_load [--hogs 10] [--skip-demo] [--modes ...]
 
 Jobs (each a fresh `elsi-fast` process with the CLI's default thread choice):
 - "demo": `elsi-fast demo` on an empty target cache (trains the demo target, then analyzes it);
@@ -43,10 +43,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared" / "data"
-if not SHARED.is_dir():
-    SHARED = Path("/work/shared/data")
 _MODES = ("default", "all_cores", "spinning")
 _CONDITIONS = ("no_added_load", "one_tenant", "tenants")
 _THREADS = re.compile(r"\(threads: (\d+)\)")
@@ -58,11 +54,13 @@ _CPU_REFERENCE = "import time\nstart = time.process_time()\nx = 0\nfor i in rang
 def _job(name: str, tmp: str, run: int) -> list[str]:
     if name == "cpu_reference":
         return [sys.executable, "-c", _CPU_REFERENCE]
+    from bench.common import shared_data
+
     cli = [sys.executable, "-m", "elsi_fast"]
     if name == "demo":
         return cli + ["demo", "--out", os.path.join(tmp, f"demo-{run}")]
-    return cli + ["analyze", "--model", str(SHARED / "models" / "stories260K" / "stories260K.bin"),
-                  "--prompts", str(SHARED / "prompts" / "spec_bench_question.jsonl"),
+    return cli + ["analyze", "--model", str(shared_data("models", "stories260K", "stories260K.bin")),
+                  "--prompts", str(shared_data("prompts", "spec_bench_question.jsonl")),
                   "--out", os.path.join(tmp, f"stories260K-{run}"), "--m", "1", "2", "3"]
 
 

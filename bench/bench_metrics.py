@@ -2,29 +2,27 @@
 
     .venv/bin/python -m pytest bench/bench_metrics.py --benchmark-group-by=group
 
-The torch peers are the references kept in tests/test_metrics.py (one definition, tested there
-against float64 numpy); bench/run_metrics.py times the same pairs interleaved in one process at 1
-and 2 threads and records the ratios in bench/results/metrics_<device>.jsonl. Set
-BENCH_DEVICE=cuda to run on a GPU.
+The torch peers are the references kept in tests/torch_references.py (one definition, tested in
+tests/test_metrics.py against float64 numpy); bench/run_metrics.py times the same pairs
+interleaved in one process at 1 and 2 threads and records the ratios in
+bench/results/metrics_<device>.jsonl. Set BENCH_DEVICE=cuda to run on a GPU.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from bench.common import tests_module
+from elsi_fast import MinibatchHSIC, StreamingCovariance, cka_matrix, token_entropy
 
-from elsi_fast import MinibatchHSIC, StreamingCovariance, cka_matrix, token_entropy  # noqa: E402
-from test_metrics import (  # noqa: E402
-    torch_categorical_entropy,
-    torch_cka_one_gemm,
-    torch_hsic_one_gemm,
-    torch_log_softmax_entropy,
-)
+_references = tests_module("torch_references.py")
+torch_categorical_entropy = _references.torch_categorical_entropy
+torch_cka_one_gemm = _references.torch_cka_one_gemm
+torch_hsic_one_gemm = _references.torch_hsic_one_gemm
+torch_log_softmax_entropy = _references.torch_log_softmax_entropy
 
 DEVICE = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))
 

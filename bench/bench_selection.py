@@ -1,8 +1,8 @@
 """Layer-selection benchmark: the searches after the pass, against today's implementation.
 
-    python bench/bench_selection.py synthetic --layers 33 --prompts 480 --m 1 2 3 --today
-    python bench/bench_selection.py synthetic --layers 81 --prompts 2000 --m 1 2 3 4
-    python bench/bench_selection.py e2e --layers 33 --prompts 480 --m 1 2 3 --today
+    python -m bench.bench_selection synthetic --layers 33 --prompts 480 --m 1 2 3 --today
+    python -m bench.bench_selection synthetic --layers 81 --prompts 2000 --m 1 2 3 4
+    python -m bench.bench_selection e2e --layers 33 --prompts 480 --m 1 2 3 --today
 
 synthetic: per-prompt prompt-mode vectors shaped like a real pass (128 tokens, d = 256 > n as in
            real models, low effective rank: a 48-dim latent with decaying scales, mixed by a
@@ -36,19 +36,15 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.analysis import selection as sel  # noqa: E402
-from elsi_fast.analysis.prompt_store import PromptModeStore  # noqa: E402
-from elsi_fast.analysis.set_entropy import SetEntropySolver  # noqa: E402
-from elsi_fast.metrics import normalize_tokens, spectrum_entropy  # noqa: E402
-from elsi_fast.analysis.report import LayerReport  # noqa: E402
+from bench.common import device_name, record, shared_data
+from elsi_fast.analysis import selection as sel
+from elsi_fast.analysis.prompt_store import PromptModeStore
+from elsi_fast.analysis.set_entropy import SetEntropySolver
+from elsi_fast.metrics import normalize_tokens, spectrum_entropy
+from elsi_fast.analysis.report import LayerReport
 
 TODAY = "5b4ce62"  # the commit before issue 11
-DATA = os.path.join(ROOT, "..", "shared", "data")
-STORIES = os.path.join(DATA, "models", "stories260K", "stories260K.bin")
-SPEC_BENCH = os.path.join(DATA, "prompts", "spec_bench_question.jsonl")
 
 
 class TodayPromptStore:
@@ -193,7 +189,8 @@ print(json.dumps({"timing": report.timing, "total_seconds": total, "memory": rep
 
 def run_e2e_child(args, package_root: str, state: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=package_root, OMP_NUM_THREADS=str(args.threads))
-    payload = json.dumps([args.layers, args.prompts, args.m, STORIES, SPEC_BENCH, state, args.threads])
+    payload = json.dumps([args.layers, args.prompts, args.m, str(shared_data("models", "stories260K", "stories260K.bin")),
+                          str(shared_data("prompts", "spec_bench_question.jsonl")), state, args.threads])
     done = subprocess.run([sys.executable, "-c", E2E_CHILD, payload], env=env, capture_output=True, text=True,
                           check=True, cwd=package_root)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -221,7 +218,7 @@ def main() -> None:
     device = device_name("cpu", args.threads)
     base = {"layers": args.layers, "prompts": args.prompts, "m": args.m, "threads": args.threads}
     if args.part == "synthetic":
-        argv = [sys.executable, __file__, "synthetic", "--child", "--layers", str(args.layers), "--prompts",
+        argv = [sys.executable, "-m", "bench.bench_selection", "synthetic", "--child", "--layers", str(args.layers), "--prompts",
                 str(args.prompts), "--threads", str(args.threads), "--m", *map(str, args.m)]
         if args.today:
             argv.append("--today")

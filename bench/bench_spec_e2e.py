@@ -2,7 +2,7 @@
 target runtime, its trained native ELSI m=1 EAGLE3 draft against the target's own greedy decoding
 and prompt lookup, on Spec-Bench prompts.
 
-    python bench/bench_spec_e2e.py --draft runs/draft-experiment/smollm2-135m-instruct/cells/elsi-m1-seed0-claims
+    python -m bench.bench_spec_e2e --draft runs/draft-experiment/smollm2-135m-instruct/cells/elsi-m1-seed0-claims
         [--target-runtime fp32] [--threads 2] [--per-category 4] [--k 2 3 4 5]
 
 Part `e2e`: every contender on every prompt, interleaved prompt by prompt (the order rotated) so a
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,11 +36,10 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.draft import Eagle3Draft, native  # noqa: E402
-from elsi_fast.decoding.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate  # noqa: E402
+from bench.common import device_name, record
+from elsi_fast.draft import Eagle3Draft, native
+from elsi_fast.decoding.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate
 
 FILE = "spec_e2e_cpu"
 DTYPES = ("fp32", "bf16", "int8")

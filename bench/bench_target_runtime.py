@@ -21,7 +21,7 @@ loaded memory-mapped, and the runtime reads the token embedding only row by row)
 --busy N starts N processes that spin on the CPU for the duration (the busy-neighbour case; the
 machine's own background load counts too: every row holds the load average before and after).
 
-Run from the repository root: `python bench/bench_target_runtime.py [--reps 7] [--busy 1] [--compile]`.
+Run from the repository root: `python -m bench.bench_target_runtime [--reps 7] [--busy 1] [--compile]`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_name, record  # noqa: E402
 from elsi_fast.targets import target_runtime  # noqa: E402

@@ -1,5 +1,7 @@
-"""Shared benchmark plumbing: timing with device sync, and the results-file writer.
+"""Shared benchmark plumbing: timing with device sync, the results-file writer, the shared data
+folder and the test references the benchmarks time against.
 
+bench/ is a package: run its scripts from the repository root as `python -m bench.<name>`.
 Every result is one JSON object a line in bench/results/<file>.jsonl with the keys
 benchmark, device, date, commit, metric, value, unit, baseline, ratio, params.
 """
@@ -7,6 +9,7 @@ benchmark, device, date, commit, metric, value, unit, baseline, ratio, params.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -14,11 +17,36 @@ import statistics
 import subprocess
 import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+RESULTS_DIR = os.path.join(ROOT, "bench", "results")
+SHARED_DATA_ENV = "ELSI_FAST_SHARED_DATA"
+
+
+def shared_data(*parts: str) -> Path:
+    """A path in the shared data folder (models, prompts, corpus): $ELSI_FAST_SHARED_DATA, else
+    ../shared/data beside the repository root. Raises FileNotFoundError naming the folder when it
+    is missing."""
+    override = os.environ.get(SHARED_DATA_ENV)
+    folder = Path(override) if override else ROOT.parent / "shared" / "data"
+    if not folder.is_dir():
+        where = f"${SHARED_DATA_ENV}" if override else f"../shared/data beside {ROOT}; set ${SHARED_DATA_ENV} to another folder"
+        raise FileNotFoundError(f"the shared data folder {folder} is missing ({where})")
+    return folder.joinpath(*parts)
+
+
+def tests_module(path: str) -> ModuleType:
+    """A helper module of tests/ (`path` relative to it, e.g. "torch_references.py") loaded by its
+    path: tests/ is not a package and not on sys.path when a benchmark runs."""
+    spec = importlib.util.spec_from_file_location(f"elsi_fast_tests_{Path(path).stem}", ROOT / "tests" / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_model() -> str:

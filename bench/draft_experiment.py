@@ -6,7 +6,7 @@ What a later session on a fresh clone needs is committed under bench/results/dra
 calibration report and every finished cell's result; a rerun restores them instead of recomputing,
 and rebuilds only the cache (minutes) and unfinished drafts.
 
-    python bench/draft_experiment.py [--model smollm2-135m-instruct] [--stages data calibrate cache recipe claims]
+    python -m bench.draft_experiment [--model smollm2-135m-instruct] [--stages data calibrate cache recipe claims]
 
 data:      the target answers a balanced subset of train_instructions.jsonl, 100 prompts of each of
            its 8 categories (greedy, chat template, <= 128 new tokens: `regenerate`), and gives its
@@ -34,28 +34,25 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k  # noqa: E402
-from elsi_fast.training.feature_cache import build, open_cache  # noqa: E402
-from elsi_fast.targets.loading import load_model  # noqa: E402
-from elsi_fast.analysis.prompts import load_prompts  # noqa: E402
-from elsi_fast.training.regenerate import (  # noqa: E402
+from bench.common import device_name, record, shared_data
+from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
+from elsi_fast.training.feature_cache import build, open_cache
+from elsi_fast.targets.loading import load_model
+from elsi_fast.analysis.prompts import load_prompts
+from elsi_fast.training.regenerate import (
     CONVERSATIONS_FILE, export_answers, read_conversations, regenerate, restore_answers,
 )
-from elsi_fast.analysis.report import LayerReport  # noqa: E402
-from elsi_fast.training.train import train_draft  # noqa: E402
-from elsi_fast.training.training_data import conversation_samples  # noqa: E402
+from elsi_fast.analysis.report import LayerReport
+from elsi_fast.training.train import train_draft
+from elsi_fast.training.training_data import conversation_samples
 
-DATA = ROOT.parent / "shared" / "data" / "prompts"
 RUNS = ROOT / "runs" / "draft-experiment"
 KEEP = ROOT / "bench" / "results" / "draft_experiment"  # committed: what a fresh clone continues from
 RESULTS = "draft_experiment_cpu"
@@ -105,7 +102,7 @@ def stage_data(model, tokenizer, out: Path, keep: Path) -> None:
     """The balanced training subset first (what the claims train on), then the evaluation
     continuations, then the rest of the training instructions (the data-scaling curve's larger
     budgets). Answers already regenerated for the full set are reused for the subset."""
-    train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
+    train = load_prompts(str(shared_data("prompts", "train_instructions.jsonl")), max_prompts=MAX_PROMPTS)
     subset = training_subset(train, tokenizer)
     folder = out / "train-subset"
     if not (folder / CONVERSATIONS_FILE).is_file() and (out / "train" / CONVERSATIONS_FILE).is_file():
@@ -114,7 +111,7 @@ def stage_data(model, tokenizer, out: Path, keep: Path) -> None:
         reused = [r for r in read_conversations(out / "train" / CONVERSATIONS_FILE) if r["id"] in wanted]
         (folder / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in reused))
     _regenerate_kept(model, tokenizer, subset, folder, keep, max_new_tokens=128, batch_size=48)
-    evaluation = load_prompts(str(DATA / "spec_bench_question.jsonl"), max_prompts=MAX_PROMPTS)
+    evaluation = load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")), max_prompts=MAX_PROMPTS)
     _regenerate_kept(model, tokenizer, evaluation, out / "eval", keep, max_new_tokens=128, max_prompt_tokens=512,
                      batch_size=16)
     if FULL_DATA:
@@ -130,7 +127,7 @@ def stage_calibrate(model, tokenizer, out: Path, keep: Path) -> LayerReport:
         return LayerReport.from_json(str(path))
     work = out / "calibration"
     work.mkdir(parents=True, exist_ok=True)
-    train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
+    train = load_prompts(str(shared_data("prompts", "train_instructions.jsonl")), max_prompts=MAX_PROMPTS)
     report = analyze(model, tokenizer, training_subset(train, tokenizer), m=(1, 3),
                      state_path=str(work / "state.pt"), model_name=out.name)
     report.plot(str(work))
@@ -236,7 +233,7 @@ def stage_heldout(model, tokenizer, out: Path, keep: Path, sets: dict) -> dict:
 
     path = keep / "heldout.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
-    train = load_prompts(str(DATA / "train_instructions.jsonl"), max_prompts=MAX_PROMPTS)
+    train = load_prompts(str(shared_data("prompts", "train_instructions.jsonl")), max_prompts=MAX_PROMPTS)
     seen = {p.id for p in training_subset(train, tokenizer)}
     unseen = [p for p in train if p.id not in seen]
     _regenerate_kept(model, tokenizer, _first_per_category(unseen, HELD_OUT, tokenizer), out / "heldout", keep,
@@ -294,7 +291,7 @@ def _emitted_tokens(keep: Path) -> dict[str, list[int]]:
     per category in record order, as `evaluation.replay_runs_per_k` replays them: the continuation's
     budget less the prefill's token, prompts with fewer than 2 new tokens left out. The same for
     every draft, so a prompt's rounds are emitted / tau and a pooled tau can be resampled."""
-    category = {p.id: p.category for p in load_prompts(str(DATA / "spec_bench_question.jsonl"))}
+    category = {p.id: p.category for p in load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")))}
     emitted: dict[str, list[int]] = {}
     for answer in json.loads((keep / "eval.answers.json").read_text())["answers"]:
         response = answer["response_ids"]

@@ -27,7 +27,7 @@ import json
 import random
 from pathlib import Path
 
-from bench.common import device_name, record
+from bench.common import device_name, record, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "draft_long_run_cpu"
@@ -60,7 +60,7 @@ def _spec_bench(model, tokenizer, work: Path, keep: Path) -> list[dict]:
 
     folder = work / "spec-bench"
     if not (folder / CONVERSATIONS_FILE).is_file():
-        prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"))
+        prompts = load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")))
         exported = json.loads((keep / "eval.answers.json").read_text())
         restore_answers(model, tokenizer, prompts, folder, exported, max_new_tokens=128, max_prompt_tokens=512)
     return read_conversations(folder / CONVERSATIONS_FILE)

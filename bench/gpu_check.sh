@@ -49,12 +49,12 @@ main() {
   step "pytest -m gpu (real sizes)" 90 "$PY" -m pytest -m gpu -q -rs tests
   step "kernel benchmarks" 120 "$PY" -m bench.bench_kernels
   if [ -f bench/bench_draft_decode.py ]; then
-    step "draft decode benchmark" 45 "$PY" bench/bench_draft_decode.py --device cuda
+    step "draft decode benchmark" 45 "$PY" -m bench.bench_draft_decode --device cuda
   fi
   # The analysis pass against a bare forward with the head (target <= 1.15x), SmolLM2-135M's shapes
   # on the 480 Spec-Bench prompts: the model itself when its package is installed, else a random
   # model of its config (the GGUF file is over the carry limit; the ratio depends on the shapes).
-  step "analysis pass / forward (SmolLM2)" 90 "$PY" bench/bench_analysis.py --device cuda --part overhead --prompts 480 --reps 2
+  step "analysis pass / forward (SmolLM2)" 90 "$PY" -m bench.bench_analysis --device cuda --part overhead --prompts 480 --reps 2
   # The small odd-size kernel tests on the device (tensor-core paths): many Triton compilations,
   # spread over processes with pytest-xdist (in the GPU image).
   step "kernel tests (odd sizes, all dtypes)" 70 "$PY" -m pytest tests/kernels -m "not gpu" -q -n 8

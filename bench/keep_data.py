@@ -1,7 +1,7 @@
 """Keep a `regenerate --self-instruct` folder in the repository compactly, and rebuild it on a fresh clone.
 
-    .venv/bin/python bench/keep_data.py keep runs/data-smollm2 --target smollm2-135m-instruct
-    .venv/bin/python bench/keep_data.py restore runs/data-smollm2 --target smollm2-135m-instruct \
+    .venv/bin/python -m bench.keep_data keep runs/data-smollm2 --target smollm2-135m-instruct
+    .venv/bin/python -m bench.keep_data restore runs/data-smollm2 --target smollm2-135m-instruct \
         --prompts ../shared/data/prompts/train_instructions.jsonl --max-new-tokens 256
 
 `keep` writes bench/results/data/<target>/: `self_instruct.json` (the sampling settings),

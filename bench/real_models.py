@@ -2,7 +2,7 @@
 Spec-Bench prompts. Resumable: every finished cell stays under runs/real-models/<model>/ and a rerun
 does only what is missing.
 
-    python bench/real_models.py [--models smollm2-135m-instruct gemma3-270m] [--stages analyze sweep]
+    python -m bench.real_models [--models smollm2-135m-instruct gemma3-270m] [--stages analyze sweep]
 
 analyze: `elsi_fast.analyze` with the defaults (m = 1, 2, 3), its pass resumable from state.pt;
          report.json, the plots (copied to docs/img/<model>_*.png) and serving configs; then pick
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -32,21 +31,19 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast.analysis.analyze import analyze  # noqa: E402
-from elsi_fast.targets.capture import capture_hidden_states, decoder_layers  # noqa: E402
-from elsi_fast.targets.loading import load_model  # noqa: E402
-from elsi_fast.metrics import linear_token_entropy, normalize_tokens, spectrum_entropy  # noqa: E402
-from elsi_fast.analysis.prompt_store import PromptModeStore  # noqa: E402
-from elsi_fast.analysis.prompts import encode_prompt, load_prompts  # noqa: E402
-from elsi_fast.analysis.report import LayerReport  # noqa: E402
-from elsi_fast.analysis.selection import ScreenedObjective, cka_penalized, select  # noqa: E402
-from elsi_fast.engines.serving import common_candidate_layers, serving_configs  # noqa: E402
-from elsi_fast.analysis.set_entropy import SetEntropySolver  # noqa: E402
+from bench.common import device_name, record, shared_data
+from elsi_fast.analysis.analyze import analyze
+from elsi_fast.targets.capture import capture_hidden_states, decoder_layers
+from elsi_fast.targets.loading import load_model
+from elsi_fast.metrics import linear_token_entropy, normalize_tokens, spectrum_entropy
+from elsi_fast.analysis.prompt_store import PromptModeStore
+from elsi_fast.analysis.prompts import encode_prompt, load_prompts
+from elsi_fast.analysis.report import LayerReport
+from elsi_fast.analysis.selection import ScreenedObjective, cka_penalized, select
+from elsi_fast.engines.serving import common_candidate_layers, serving_configs
+from elsi_fast.analysis.set_entropy import SetEntropySolver
 
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"
 RUNS = ROOT / "runs" / "real-models"
 IMAGES = ROOT / "docs" / "img"
 THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -305,7 +302,7 @@ def main() -> None:
     if args.stages == ["report"]:
         print(stage_report(args.models, args.runs))
         return
-    prompts = load_prompts(str(SPEC_BENCH), max_prompts=args.max_prompts)
+    prompts = load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")), max_prompts=args.max_prompts)
     images = IMAGES if args.max_prompts is None else args.runs / "img"
     images.mkdir(parents=True, exist_ok=True)
     for name in args.models:

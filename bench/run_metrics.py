@@ -2,10 +2,10 @@
 the results to bench/results/metrics_<cpu|cuda>.jsonl (ratio = peer / ours: > 1 means elsi-fast
 is faster or uses less memory).
 
-    flock /tmp/elsi-bench.lock .venv/bin/python bench/run_metrics.py
-    .venv/bin/python bench/run_metrics.py --only cka entropy   # a subset, for development
+    flock /tmp/elsi-bench.lock .venv/bin/python -m bench.run_metrics
+    .venv/bin/python -m bench.run_metrics --only cka entropy   # a subset, for development
 
-Peers (bench/bench_metrics.py, built on the references of tests/test_metrics.py):
+Peers (bench/bench_metrics.py, built on the references of tests/torch_references.py):
 - cka_matrix / MinibatchHSIC: the one-GEMM torch formulation (L full Grams, centered in separate
   passes, flattened, V V^T), at the same precision (fp64 and fp32).
 - StreamingCovariance.update: torch.cov per layer, and one batched GEMM x^T x, fp64.
@@ -36,9 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.bench_metrics import (  # noqa: E402
+from bench.bench_metrics import (
     CKA_SHAPE,
     COV_CHUNK,
     COV_SHAPE,
@@ -59,8 +57,8 @@ from bench.bench_metrics import (  # noqa: E402
     torch_cka_one_gemm,
     torch_log_softmax_entropy,
 )
-from bench.common import device_name, record  # noqa: E402
-from elsi_fast import cka_matrix, token_entropy  # noqa: E402
+from bench.common import device_name, record
+from elsi_fast import cka_matrix, token_entropy
 
 RESULTS = f"metrics_{DEVICE.type}"
 THREADS = (1, 2)
@@ -263,7 +261,7 @@ def bench_entropy_memory() -> None:
         for dtype in ("bfloat16", "float32"):
             peaks = {}
             for name in PEAK_FNS:
-                out = subprocess.run([sys.executable, __file__, "--peak", name, str(shape["vocab"]), dtype], check=True,
+                out = subprocess.run([sys.executable, "-m", "bench.run_metrics", "--peak", name, str(shape["vocab"]), dtype], check=True,
                                      capture_output=True, text=True, env={**os.environ, "BENCH_DEVICE": DEVICE.type})
                 peaks[name] = int(out.stdout.strip().splitlines()[-1])
             ours = peaks["token_entropy"]

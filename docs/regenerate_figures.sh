@@ -6,7 +6,7 @@
 # set-up: bash docs/regenerate_figures.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python bench/real_models.py --stages analyze
+.venv/bin/python -m bench.real_models --stages analyze
 .venv/bin/elsi-fast analyze --model ../shared/data/models/stories260K/stories260K.bin \
     --prompts ../shared/data/prompts/spec_bench_question.jsonl --out runs/stories260K --m 1 2 3
 for plot in entropy cka pair_gain; do

@@ -14,6 +14,7 @@ from elsi_fast import cka_matrix, hsic, linear_cka, matrix_entropy, spectrum_ent
 from elsi_fast import metrics
 from elsi_fast.metrics import linear_token_entropy
 from numpy_references import np_hsic_song
+from torch_references import torch_cka_one_gemm
 
 HYPOTHESIS = settings(max_examples=15, deadline=None)
 # Input rounding is shared with the reference (it sees the same rounded values), so every dtype
@@ -74,46 +75,6 @@ def np_token_entropy(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     return -(np.exp(logp) * logp).sum(-1)
-
-
-# ------------------------------------------------------------------ torch references
-# What a user would write instead; bench/run_metrics.py times the library against these.
-
-
-def torch_hsic_one_gemm(xs: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """All-pairs HSIC [L, L] of xs [L, n, d] the direct way, in xs's dtype: L full Grams, centered
-    (U or H) in separate passes, flattened to V [L, n^2], all pairs from one GEMM V V^T."""
-    num_layers, n, _ = xs.shape
-    k = xs @ xs.transpose(1, 2)
-    if unbiased:
-        k.diagonal(dim1=1, dim2=2).zero_()
-        row = k.sum(-1)
-        total = row.sum(-1)[:, None, None]
-        k = k - row[:, :, None] / (n - 2) - row[:, None, :] / (n - 2) + total / ((n - 1) * (n - 2))
-        k.diagonal(dim1=1, dim2=2).zero_()
-    else:
-        k = k - k.mean(-1, keepdim=True)
-        k = k - k.mean(-2, keepdim=True)
-    v = k.reshape(num_layers, -1)
-    return (v @ v.T) / (n * (n - 3) if unbiased else (n - 1) ** 2)
-
-
-def torch_cka_one_gemm(xs: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """CKA matrix [L, L] from torch_hsic_one_gemm."""
-    products = torch_hsic_one_gemm(xs, unbiased)
-    diag = products.diagonal()
-    return products / torch.sqrt(diag[:, None] * diag[None, :])
-
-
-def torch_categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """torch.distributions on an fp32 copy of the logits."""
-    return torch.distributions.Categorical(logits=logits.float()).entropy()
-
-
-def torch_log_softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The log_softmax one-liner."""
-    logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def rand(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:

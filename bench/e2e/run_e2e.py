@@ -23,7 +23,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
 # (label, report method, m) in table order
 METHODS = [
@@ -87,10 +86,11 @@ def calibration_texts(n: int) -> list[str]:
 
 def eval_prompts(tokenizer, per_category: int, max_tokens: int) -> dict[str, list[list[int]]]:
     """Held-out prompts by category: Spec-Bench (first turn, evenly spaced ids) and held-out corpus text."""
+    from bench.common import shared_data
     from elsi_fast.analysis.prompts import encode_prompt, load_prompts
     from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, heldout_texts
 
-    prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"))
+    prompts = load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")))
     grouped: dict[str, list] = {}
     for prompt in prompts:
         category = prompt.category if prompt.category in SPEC_BENCH_CATEGORIES else "mt_bench"
@@ -292,7 +292,7 @@ def main(argv=None) -> None:
         worker(args)
     if args.stage == "all":
         start = time.perf_counter()
-        base = [sys.executable, __file__, "worker", *sys.argv[2:]]
+        base = [sys.executable, "-m", "bench.e2e.run_e2e", "worker", *sys.argv[2:]]
         procs = [subprocess.Popen([*base, "--shard", str(i)]) for i in range(args.workers)]
         codes = [p.wait() for p in procs]
         if any(codes):

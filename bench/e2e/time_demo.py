@@ -1,6 +1,6 @@
 """Wall and CPU time of `elsi-fast demo --train-drafts`: a first run on an empty cache, then a cached run.
 
-    .venv/bin/python bench/e2e/time_demo.py [--threads N]
+    .venv/bin/python -m bench.e2e.time_demo [--threads N]
 
 Rows go to bench/results/e2e_cpu.jsonl (benchmark "demo_time"). The CPU time (user + system of
 the demo process) is reported beside the wall time because on a shared machine the wall time
@@ -16,10 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def _run(cmd: list[str], env: dict) -> tuple[float, float]:

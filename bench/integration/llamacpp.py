@@ -1,12 +1,12 @@
 """llama.cpp from the registry sdist of llama-cpp-python, built once into a cache; elsi-fast drafts served by it.
 
-    python bench/integration/llamacpp.py source   # fetch + extract the vendored llama.cpp (no C++)
-    python bench/integration/llamacpp.py build    # configure + build the tools below (~11 min on 2 cores)
-    python bench/integration/llamacpp.py check    # on SmolLM2: the states llama.cpp captures for each id,
+    python -m bench.integration.llamacpp source   # fetch + extract the vendored llama.cpp (no C++)
+    python -m bench.integration.llamacpp build    # configure + build the tools below (~11 min on 2 cores)
+    python -m bench.integration.llamacpp check    # on SmolLM2: the states llama.cpp captures for each id,
                                                   # elsi-fast's GGUF vs llama.cpp's converter, m=1 and m=3
                                                   # drafts served by llama-speculative-simple
-    python bench/integration/llamacpp.py measure --drafts D ...  # trained drafts at k = 1..5 on Spec-Bench
-    python bench/integration/llamacpp.py verify-cost  # the target's forward of T = 1..6 tokens vs 1
+    python -m bench.integration.llamacpp measure --drafts D ...  # trained drafts at k = 1..5 on Spec-Bench
+    python -m bench.integration.llamacpp verify-cost  # the target's forward of T = 1..6 tokens vs 1
 
 The sdist pins one llama.cpp commit (vendor/llama.cpp), so the converter the tests compare against and
 the binaries that serve the drafts are the same code. The build is keyed by the package version and
@@ -121,10 +121,10 @@ def source_dir(copy_from: Path | None = None) -> Path:
 CONVERTER_DEPS = ("sentencepiece>=0.1.98,<0.3.0",)
 
 # Runs the converter once per argument list in one process: torch and transformers import once.
+# The script's folder is on its PYTHONPATH (its `conversion` package, as `python script` finds it).
 _CONVERT_DRIVER = """
-import json, os, runpy, sys
+import json, runpy, sys
 script = sys.argv[1]
-sys.path.insert(0, os.path.dirname(script))  # its `conversion` package, as `python script` would
 for args in json.loads(sys.argv[2]):
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
@@ -150,7 +150,8 @@ def convert_hf(jobs: list[list[str]], copy_from: Path | None = None) -> None:
     """Run llama.cpp's own `convert_hf_to_gguf.py` with each argument list of `jobs`, e.g.
     [DRAFT_DIR, "--target-model-dir", TARGET_DIR, "--outtype", "f32", "--outfile", OUT]."""
     script = source_dir(copy_from) / "convert_hf_to_gguf.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter_deps()), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), str(converter_deps()),
+                                                         os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _CONVERT_DRIVER, str(script), json.dumps(jobs)],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -163,7 +164,7 @@ def binary(name: str) -> Path:
     path = build_dir() / "build" / "bin" / name
     if not (build_dir() / MARKER).is_file() or not path.is_file():
         raise FileNotFoundError(f"{name} is not built for this CPU in {build_dir()}: run "
-                                f"`python bench/integration/llamacpp.py build` first")
+                                f"`python -m bench.integration.llamacpp build` first")
     return path
 
 
@@ -394,7 +395,6 @@ def verify_cost(args: argparse.Namespace) -> None:
     """What a verification round costs llama.cpp: the target's forward of T = 1..6 tokens (llama-bench
     pp tests after --depth tokens of context) against its 1-token forward. A draft at k can only win
     where tau > t(k+1) / t(1) + the draft's own steps."""
-    sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, record
 
     target = smollm2_path()
@@ -416,7 +416,6 @@ def verify_cost(args: argparse.Namespace) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
-    sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, record
     from elsi_fast.engines.serving import llamacpp_layer_ids
 
@@ -504,7 +503,6 @@ def measure(args: argparse.Namespace) -> None:
     """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file at each k of --ks: mean acceptance
     length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
     without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
-    sys.path.insert(0, str(ROOT))
     from bench.common import cpu_model, first_per_category, record
     from elsi_fast.draft import Eagle3Draft
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k

@@ -1,7 +1,7 @@
 """The native m=1 EAGLE3 draft step against llama.cpp's ggml CPU kernels on the same shapes, at batch 1.
 
-    python bench/integration/llamacpp_kernels.py            # SmolLM2 and Llama-3.1-8B draft shapes, 1 and 2 threads
-    python bench/integration/llamacpp_kernels.py --smoke    # SmolLM2 shapes, 3 rounds: checks the script
+    python -m bench.integration.llamacpp_kernels            # SmolLM2 and Llama-3.1-8B draft shapes, 1 and 2 threads
+    python -m bench.integration.llamacpp_kernels --smoke    # SmolLM2 shapes, 3 rounds: checks the script
 
 ggml: a one-block Llama GGUF with random weights whose vocabulary is the draft vocabulary (8192 for
 SmolLM2, 32000 for Llama-3.1-8B), so "one block plus the head": `tokenizer.ggml.model = "none"` with
@@ -31,7 +31,7 @@ Floor: those bytes over the read bandwidth of `torch.sum` on a 512 MiB fp32 buff
 count, timed in the same rounds. Issue targets: ours >= 1.2x ggml's speed, within 1.3x of its floor.
   -> bench/results/llamacpp_kernels_cpu.jsonl
 
-Needs the llama.cpp build of llamacpp.py (`python bench/integration/llamacpp.py build`).
+Needs the llama.cpp build of llamacpp.py (`python -m bench.integration.llamacpp build`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -51,15 +50,12 @@ import gguf
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_draft_decode import (CONTEXT, CPU_EMBED_ROWS, READ_BUFFER_BYTES, SHAPES, make_draft,  # noqa: E402
+from bench.bench_draft_decode import (CONTEXT, CPU_EMBED_ROWS, READ_BUFFER_BYTES, SHAPES, make_draft,
                                       native_step)
-from bench.common import device_name, record  # noqa: E402
-from bench.integration.llamacpp import CACHE, binary, build_dir  # noqa: E402
-from elsi_fast.draft import Eagle3Draft  # noqa: E402
-from elsi_fast.draft.native import NativeDraftDecoder  # noqa: E402
+from bench.common import device_name, record
+from bench.integration.llamacpp import CACHE, binary, build_dir
+from elsi_fast.draft import Eagle3Draft
+from elsi_fast.draft.native import NativeDraftDecoder
 
 RESULTS_FILE = "llamacpp_kernels_cpu"
 GGUF_DIR = CACHE.parent / "llamacpp-kernels"

@@ -6,7 +6,7 @@ tokens/s and how many of llama.cpp's greedy answers equal transformers' token fo
 weights are quantized and its activations too, so some differ). Rows:
 bench/results/regenerate_engines_cpu.jsonl, next to vllm_regenerate.py's.
 
-    .venv/bin/python bench/integration/llamacpp_regenerate.py --prompts 48
+    .venv/bin/python -m bench.integration.llamacpp_regenerate --prompts 48
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.integration.llamacpp import VERSION, build_dir  # noqa: E402
+from bench.integration.llamacpp import VERSION, build_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.common import device_name, record
+    from bench.common import device_name, record, shared_data
     from elsi_fast.targets import catalog
     from elsi_fast.engines.llamacpp_server import LlamaServer
     from elsi_fast.targets.loading import load_model
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     server_binary = build_dir() / "build" / "bin" / "llama-server"
     gguf = catalog.resolve("smollm2-135m-instruct")
     model, tokenizer = load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
-    prompts = load_prompts(str(ROOT.parent / "shared" / "data" / "prompts" / "train_instructions.jsonl"))
+    prompts = load_prompts(str(shared_data("prompts", "train_instructions.jsonl")))
     prompts = prompts[:: max(1, len(prompts) // args.prompts)][: args.prompts]  # a spread over the categories
     rates: dict[str, list[float]] = {"transformers": [], "llama.cpp": []}
     answers: dict[str, dict] = {}

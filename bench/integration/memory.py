@@ -1,6 +1,6 @@
 """Memory of EAGLE3 drafts on the real target, measured in each engine on the CPU: vLLM, llama.cpp, elsi-fast.
 
-    .venv/bin/python bench/integration/memory.py --drafts \\
+    .venv/bin/python -m bench.integration.memory --drafts \\
         runs/draft-experiment/smollm2-135m-instruct/cells/{elsi-m1,eagle3-m3}-seed0-claims
 
 Each engine serves the same Spec-Bench prompts (`vllm_real.spec_bench_prompts`: chat template,
@@ -33,10 +33,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from bench.integration import llamacpp, vllm_real, vllm_serve  # noqa: E402
+from bench.integration import llamacpp, vllm_real, vllm_serve
 
 RESULTS = "memory_cpu"
 ENGINES = ("vllm", "llamacpp", "elsi-fast")
@@ -52,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.targets.catalog)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per round")
-    p.add_argument("--prompts", default=str(vllm_real.SPEC_BENCH), help="Spec-Bench-style JSONL")
+    p.add_argument("--prompts", help="Spec-Bench-style JSONL (default: the shared data's Spec-Bench)")
     p.add_argument("--categories", nargs="+", help="only these categories of --prompts (default: all)")
     p.add_argument("--per-category", type=int, default=1, help="prompts per category")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -130,7 +127,7 @@ def measure_elsi_fast(args: argparse.Namespace, prompts: list[list[int]], drafts
         job_path.write_text(json.dumps({"model": args.model, "draft": path, "k": args.k, "prompts": prompts,
                                         "max_new_tokens": args.max_new_tokens, "native_dtype": args.native_dtype,
                                         "threads": args.threads, "result": str(result)}))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--job", str(job_path)]
+        cmd = [sys.executable, "-m", "bench.integration.memory", "worker", "--job", str(job_path)]
         print("+ " + " ".join(cmd), flush=True)
         done, peak_rss = run_peak_rss(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if done.returncode != 0:

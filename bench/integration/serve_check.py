@@ -3,9 +3,9 @@ draft, Spec-Bench prompts go through its HTTP API, and the acceptance the server
 compared with elsi-fast's replayed tau on the same prompts and k (bench/draft_experiment.py's
 evaluation continuations and their cache).
 
-    .venv/bin/python bench/integration/serve_check.py --engine llama.cpp --k 3 \
+    .venv/bin/python -m bench.integration.serve_check --engine llama.cpp --k 3 \
         --draft runs/draft-experiment/smollm2-135m-instruct/cells/elsi-m1-seed0-claims
-    .venv/bin/python bench/integration/serve_check.py --engine vllm --k 3 --draft ...
+    .venv/bin/python -m bench.integration.serve_check --engine vllm --k 3 --draft ...
 
 Prompts go as token ids (the target's chat-formatted prompt, exactly as elsi-fast saw it), greedy,
 `max_tokens` = the length of the target's recorded greedy continuation (so the rounds are
@@ -29,9 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.integration.vllm_serve import VLLM_CPU_ENV  # noqa: E402
+from bench.integration.vllm_serve import VLLM_CPU_ENV
 
 EXPERIMENT = ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"
 RESULTS = "serve_check_cpu"

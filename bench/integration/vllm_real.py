@@ -8,7 +8,7 @@ bench/draft_experiment.py's cells) on Spec-Bench prompts (chat template, `--per-
 same draft, prompts and k (`elsi_fast.decoding.evaluation.speculative_runs`), compared round by round; vLLM's
 and elsi-fast's output against the target's greedy decoding. Rows: bench/results/vllm_real_cpu.jsonl.
 
-    .venv/bin/python bench/integration/vllm_real.py --max-new-tokens 128 \
+    .venv/bin/python -m bench.integration.vllm_real --max-new-tokens 128 \
         --drafts runs/draft-experiment/smollm2-135m-instruct/cells/{elsi-m1,eagle3-m3}-seed0-claims
 
 The vLLM side (its environment, the `serve` worker, the round-by-round comparison) is vllm_serve.py's.
@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.integration.vllm_serve import _vllm_serve, compare, ensure_vllm_env  # noqa: E402
+from bench.integration.vllm_serve import _vllm_serve, compare, ensure_vllm_env
 
 if TYPE_CHECKING:
     from elsi_fast.draft import Eagle3Draft
 
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_question.jsonl"
 REAL_RESULTS = "vllm_real_cpu"
 
 
@@ -41,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the named target (elsi_fast.targets.catalog)")
     p.add_argument("--drafts", nargs="+", default=[], help="trained EAGLE3 draft folders of that target")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="draft tokens per round")
-    p.add_argument("--prompts", default=str(SPEC_BENCH), help="Spec-Bench-style JSONL (chat template applied)")
+    p.add_argument("--prompts", help="Spec-Bench-style JSONL (chat template applied; default: the shared "
+                   "data's prompts/spec_bench_question.jsonl)")
     p.add_argument("--categories", nargs="+", help="only these categories of --prompts (default: all)")
     p.add_argument("--per-category", type=int, default=1, help="prompts per category")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts cut to this many tokens")
@@ -84,12 +83,15 @@ def load_draft(path: str, model, model_name: str) -> "Eagle3Draft":
         raise ValueError(f"--drafts: {path}: its weights do not load ({_one_line(exc)})") from None
 
 
-def spec_bench_prompts(tokenizer, path: str, categories: list[str] | None, per_category: int,
+def spec_bench_prompts(tokenizer, path: str | None, categories: list[str] | None, per_category: int,
                        max_tokens: int) -> dict[str, list[list[int]]]:
-    """category -> token ids of its first `per_category` prompts, as `elsi-fast eval-draft` encodes them
-    (chat template, cut to `max_tokens`); only `categories` when given."""
+    """category -> token ids of its first `per_category` prompts of `path` (None: the shared data's
+    Spec-Bench), as `elsi-fast eval-draft` encodes them (chat template, cut to `max_tokens`); only
+    `categories` when given."""
+    from bench.common import shared_data
     from elsi_fast.analysis.prompts import load_prompts, prompts_by_category
 
+    path = path or str(shared_data("prompts", "spec_bench_question.jsonl"))
     if per_category < 1:
         raise ValueError(f"--per-category: must be >= 1, got {per_category}")
     grouped = prompts_by_category(load_prompts(path), tokenizer, per_category, max_tokens)

