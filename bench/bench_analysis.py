@@ -29,8 +29,8 @@ import torch
 
 from bench.common import device_name, record, shared_data, time_fn
 from elsi_fast.analysis.analyze import analyze
-from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer
 from elsi_fast.analysis.prompts import encode_prompt, load_prompts
+from elsi_fast.targets.llama2c import load_llama2c, load_llama2c_tokenizer
 
 
 

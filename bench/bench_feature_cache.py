@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record
-from elsi_fast.training.feature_cache import build
 from elsi_fast.targets.loading import load_model
+from elsi_fast.training.feature_cache import build
 from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
 from elsi_fast.training.train import train_draft
 from elsi_fast.training.training_data import conversation_samples

@@ -40,9 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from bench.common import device_name, record, shared_data
 from elsi_fast.analysis import selection as sel
 from elsi_fast.analysis.prompt_store import PromptModeStore
+from elsi_fast.analysis.report import LayerReport
 from elsi_fast.analysis.set_entropy import SetEntropySolver
 from elsi_fast.metrics import normalize_tokens, spectrum_entropy
-from elsi_fast.analysis.report import LayerReport
 
 TODAY = "5b4ce62"  # the commit before issue 11
 

@@ -38,8 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record
-from elsi_fast.draft import Eagle3Draft, native
 from elsi_fast.decoding.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate
+from elsi_fast.draft import Eagle3Draft, native
 
 FILE = "spec_e2e_cpu"
 DTYPES = ("fp32", "bf16", "int8")

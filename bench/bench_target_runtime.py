@@ -43,9 +43,9 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import device_name, record  # noqa: E402
+from elsi_fast.decoding.speculative import cache_kwarg  # noqa: E402
 from elsi_fast.targets import target_runtime  # noqa: E402
 from elsi_fast.targets.loading import load_model  # noqa: E402
-from elsi_fast.decoding.speculative import cache_kwarg  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TOKENS = (1, 2, 3, 5, 8)

@@ -90,8 +90,8 @@ def main() -> None:
 
     import torch
 
-    from elsi_fast.training.feature_cache import build
     from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.feature_cache import build
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.training_data import conversation_samples
 

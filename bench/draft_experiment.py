@@ -42,10 +42,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record, shared_data
-from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
-from elsi_fast.training.feature_cache import build, open_cache
-from elsi_fast.targets.loading import load_model
 from elsi_fast.analysis.prompts import load_prompts
+from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
+from elsi_fast.targets.loading import load_model
+from elsi_fast.training.feature_cache import build, open_cache
 from elsi_fast.training.regenerate import (
     CONVERSATIONS_FILE, export_answers, read_conversations, regenerate, restore_answers,
 )

@@ -83,10 +83,10 @@ def main() -> None:
 
     import torch
 
-    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
-    from elsi_fast.training.feature_cache import build
+    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.feature_cache import build
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
     from elsi_fast.training.training_data import conversation_samples

@@ -43,8 +43,8 @@ def keep(folder: Path, target: str) -> Path:
 
 
 def restore(folder: Path, target: str, prompts_path: str, max_new_tokens: int) -> None:
-    from elsi_fast.targets.loading import load_model
     from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.targets.loading import load_model
     from elsi_fast.training.regenerate import restore_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 

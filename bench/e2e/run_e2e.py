@@ -163,8 +163,8 @@ def run_name(layers, seed) -> str:
 def worker(args) -> None:
     import torch
 
-    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, training_texts
     from elsi_fast.decoding.evaluation import evaluate_tau
+    from elsi_fast.targets.toy_targets import NATURAL_LANGUAGE, training_texts
     from elsi_fast.training.train import train_draft
 
     torch.set_num_threads(args.threads)

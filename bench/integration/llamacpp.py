@@ -504,8 +504,8 @@ def measure(args: argparse.Namespace) -> None:
     length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
     without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
     from bench.common import cpu_model, first_per_category, record
-    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
+    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.training.feature_cache import open_cache
     from elsi_fast.training.regenerate import read_conversations
 

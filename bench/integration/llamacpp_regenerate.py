@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.common import device_name, record, shared_data
-    from elsi_fast.targets import catalog
-    from elsi_fast.engines.llamacpp_server import LlamaServer
-    from elsi_fast.targets.loading import load_model
     from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.engines.llamacpp_server import LlamaServer
+    from elsi_fast.targets import catalog
+    from elsi_fast.targets.loading import load_model
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
 
     torch.set_num_threads(args.threads)

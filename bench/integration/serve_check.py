@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from bench.common import cpu_model, first_per_category, record
-    from elsi_fast.targets import catalog
-    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
-    from elsi_fast.training.feature_cache import open_cache
+    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.targets import catalog
     from elsi_fast.targets.loading import dequantized_folder, load_model
+    from elsi_fast.training.feature_cache import open_cache
     from elsi_fast.training.regenerate import read_conversations
 
     experiment = Path(args.experiment)

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.common import cpu_model, record
+    from elsi_fast.analysis.prompts import Prompt
     from elsi_fast.targets import catalog
     from elsi_fast.targets.loading import dequantized_folder, load_model
-    from elsi_fast.analysis.prompts import Prompt
     from elsi_fast.training.regenerate import read_conversations, regenerate
 
     torch.set_num_threads(args.threads)

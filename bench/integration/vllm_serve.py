@@ -222,8 +222,8 @@ def _prepare_target_and_analysis(args, out: Path) -> dict:
 
     # A target that repeats one token would accept any draft that learned that token: the check
     # below needs continuations that depend on the prompt.
-    from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.analysis.prompts import prompts_by_category
 
     prompts = prompts_by_category(load_prompts(str(data / "eval.jsonl")), tokenizer, None, args.prompt_tokens)["heldout"]
     continuations = [greedy_decode(model, ids, args.max_new_tokens) for ids in prompts]
@@ -397,10 +397,10 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     import torch
 
     from bench.common import device_name, record
-    from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.analysis.prompts import load_prompts
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.decoding.speculative import speculative_generate
+    from elsi_fast.draft import Eagle3Draft
     from elsi_fast.targets.loading import load_model
 
     torch.set_num_threads(args.threads)

@@ -23,16 +23,16 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .analysis_options import DEFAULTS, AnalyzeOptions
-from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .._infra.interrupt import DeferredInterrupt
+from .._infra.state_files import save_state
 from ..metrics import linear_token_entropy, normalize_tokens, token_entropy
+from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
+from .analysis_options import DEFAULTS, AnalyzeOptions
 from .pass_state import PassState, pass_fingerprint, rank_and_world, reduce_across_ranks
 from .prompts import Prompt, encode_prompt
 from .report import LayerReport
 from .selection import ScreenedObjective
 from .set_entropy import SetEntropySolver
-from .._infra.state_files import save_state
 
 
 def _special_ids(tokenizer: Any) -> list[int]:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .analysis_options import PASS_OPTIONS, AnalyzeOptions
-from .prompt_store import PromptModeStore
 from .._infra.state_files import load_state
 from ..streaming import MinibatchHSIC, StreamingCovariance
+from .analysis_options import PASS_OPTIONS, AnalyzeOptions
+from .prompt_store import PromptModeStore
 
 STATE_VERSION = 3
 # Prompts per broadcast when ranks exchange prompt-mode records.

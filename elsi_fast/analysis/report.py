@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import selection as sel
 from ..engines import serving
+from . import selection as sel
 from .analysis_options import DEFAULTS
 
 METHODS = ("elsi", "elsi-c", "eagle3", "low-entropy", "last", "uniform")

@@ -159,9 +159,9 @@ def interrupted(args: argparse.Namespace) -> str:
 
 def handler(args: argparse.Namespace) -> int:
     from ..analysis.analyze import AnalyzeOptions, analyze
+    from ..engines.serving import ENGINES, serving_configs
     from ..targets.capture import decoder_layers
     from ..targets.loading import load_model
-    from ..engines.serving import ENGINES, serving_configs
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, argument="--model",
                                   device_argument="--device", progress=not args.no_progress)

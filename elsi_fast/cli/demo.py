@@ -68,9 +68,9 @@ def _calibration_file(out: str) -> str:
 
 
 def _train_and_compare(target_dir: str, out: str, steps: int, progress: bool) -> None:
+    from ..analysis.report import LayerReport
     from ..decoding.evaluation import evaluate_tau
     from ..targets.loading import load_model
-    from ..analysis.report import LayerReport
     from ..targets.toy_targets import DEMO, heldout_texts, training_texts
     from ..training.train import train_draft
 

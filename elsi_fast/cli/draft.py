@@ -8,8 +8,8 @@ import math
 import os
 
 from .._infra.native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES, TRAINING_PRECISIONS
-from . import UsageError, one_line, positive_int
 from ..targets.loading import DTYPES
+from . import UsageError, one_line, positive_int
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
 
 # elsi_fast.training.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
@@ -246,9 +246,9 @@ def eval_interrupted(args: argparse.Namespace) -> str:
 
 
 def eval_handler(args: argparse.Namespace) -> int:
-    from ..draft import Eagle3Draft
-    from ..decoding.evaluation import pooled_tau, speculative_runs
     from ..analysis.prompts import prompts_by_category
+    from ..decoding.evaluation import pooled_tau, speculative_runs
+    from ..draft import Eagle3Draft
 
     from ..targets.target_runtime import accelerate, describe_target
 

@@ -141,8 +141,8 @@ def handler(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         server = None
         if args.engine == "llama.cpp":
-            from ..targets.catalog import is_catalog_name, resolve
             from ..engines.llamacpp_server import LlamaServer
+            from ..targets.catalog import is_catalog_name, resolve
 
             gguf = resolve(args.target, "--target") if is_catalog_name(args.target) else args.target
             server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots,

@@ -60,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check(args: argparse.Namespace) -> None:
     """Everything that can be checked without torch: the draft's config, the target, the binary."""
     from ..draft.config import Eagle3Config
-    from ..targets.loading import describe_source
     from ..engines.serving import candidate_layers
+    from ..targets.loading import describe_source
 
     config_path = Path(args.draft) / "config.json"
     if not config_path.is_file():

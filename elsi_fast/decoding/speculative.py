@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from ..targets.capture import capture_hidden_states
 from .._infra.native_names import DRAFT_BACKENDS
+from ..targets.capture import capture_hidden_states
 from ..targets.target_runtime import describe_target
 
 if TYPE_CHECKING:

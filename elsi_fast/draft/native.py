@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._infra._extension import _C, IMPORT_ERROR
 from .._infra._extension import TORCH_WEIGHT_DTYPES as WEIGHT_DTYPES
+from .._infra._extension import _C, IMPORT_ERROR
 from .._infra.native_names import NATIVE_WEIGHT_DTYPES
 from .quant import QUANTIZED_LINEARS, quantize_int8
 

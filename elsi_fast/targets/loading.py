@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import catalog
 from .._infra.cache import cache_root
+from . import catalog
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A hub id: "name" or "owner/name" of letters, digits, '.', '_', '-'; not a path or a checkpoint file.

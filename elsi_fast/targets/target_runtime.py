@@ -34,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from .._infra._extension import _C, IMPORT_ERROR, TORCH_WEIGHT_DTYPES
+from .._infra.native_names import NATIVE_WEIGHT_DTYPES as WEIGHT_DTYPES
 from ..draft.native import pack_matrix
 from ..draft.quant import quantize_int8
-from .._infra.native_names import NATIVE_WEIGHT_DTYPES as WEIGHT_DTYPES
 
 # Activation dtypes the op takes (a model in another dtype keeps torch).
 _ACT_DTYPES = (torch.float32, torch.bfloat16)

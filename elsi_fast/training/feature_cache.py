@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .._infra.interrupt import DeferredInterrupt
+from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .training_data import Sample, pad_samples
 
 META_FILE = "meta.json"

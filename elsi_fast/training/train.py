@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import torch
 
-from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
-from ..draft import Eagle3Config, Eagle3Draft
-from .feature_cache import samples_fingerprint
 from .._infra.interrupt import DeferredInterrupt
 from .._infra.native_names import TRAINING_PRECISIONS
-from ..analysis.pass_state import rank_and_world
 from .._infra.state_files import load_state, save_state
+from ..analysis.pass_state import rank_and_world
+from ..draft import Eagle3Config, Eagle3Draft
+from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
+from .feature_cache import samples_fingerprint
 from .training_data import Sample, pad_samples, token_stream
 
 if TYPE_CHECKING:

@@ -140,9 +140,9 @@ def test_demo_runs_its_steps_on_a_given_model_without_building_the_demo_target(t
 
 
 def test_eval_draft_continues_after_ctrl_c(setup, capsys, monkeypatch):
-    from elsi_fast.decoding import evaluation
     from elsi_fast.cli import EXIT_INTERRUPTED
     from elsi_fast.cli.draft import EVAL_PROGRESS_FILE
+    from elsi_fast.decoding import evaluation
 
     root, corpus, target, prompts = setup
     out = root / "draft-for-resume"

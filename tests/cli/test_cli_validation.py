@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from elsi_fast.targets import catalog
 from elsi_fast.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
+from elsi_fast.targets import catalog
 from elsi_fast.targets.toy_targets import TargetRecipe, build_target
 
 

@@ -54,8 +54,8 @@ def test_eval_progress_file_cut_by_a_crash_starts_over_or_keeps_whole_lines(tmp_
 def replay_setup(tmp_path_factory):
     """A trained draft of the tiny target, the target's greedy continuations of 6 prompts, and
     their feature cache."""
-    from elsi_fast.training.feature_cache import build
     from elsi_fast.analysis.prompts import Prompt
+    from elsi_fast.training.feature_cache import build
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
     from tiny_lm import conversation_samples_of_tiny_target
 

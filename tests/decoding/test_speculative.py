@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from elsi_fast.decoding.speculative import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
 from elsi_fast.draft.native import DISABLE_NATIVE_ENV
-from elsi_fast.decoding.speculative import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
 
 requires_native = pytest.mark.skipif(not native.available("cpu"),
                                      reason=f"native extension not built: {native.describe('cpu')}")
@@ -363,12 +363,12 @@ def test_a_decoder_is_reused_across_calls():
 
 @requires_native
 def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
-    from elsi_fast.cli import main
-    from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.analysis.prompts import load_prompts
+    from elsi_fast.analysis.prompts import prompts_by_category
+    from elsi_fast.cli import main
+    from elsi_fast.decoding.evaluation import speculative_runs
     from elsi_fast.targets.loading import load_model
     from elsi_fast.targets.toy_targets import TargetRecipe, build_target
-    from elsi_fast.decoding.evaluation import speculative_runs
     from elsi_fast.training.train import draft_config_for
 
     corpus = tmp_path / "corpus"

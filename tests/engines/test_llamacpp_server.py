@@ -85,8 +85,8 @@ def test_bad_binary_or_model_is_named(tmp_path, fake):
 
 
 def test_regenerate_and_self_instruct_write_the_servers_answers(fake, tmp_path):
-    from elsi_fast.training import regenerate as regen
     from elsi_fast.analysis.prompts import Prompt, encode_prompt
+    from elsi_fast.training import regenerate as regen
     from tiny_lm import TARGET, TEXTS, TOKENIZER
 
     script, gguf = fake

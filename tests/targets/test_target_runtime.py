@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from elsi_fast.targets import target_runtime as rt
+from elsi_fast.decoding.speculative import cache_kwarg, greedy_generate, speculative_generate
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
 from elsi_fast.draft.quant import dequantize_int8, quantize_int8
-from elsi_fast.decoding.speculative import cache_kwarg, greedy_generate, speculative_generate
+from elsi_fast.targets import target_runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason="native extension not built")
 

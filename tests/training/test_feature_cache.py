@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elsi_fast.training import feature_cache as fc
 from elsi_fast.targets.capture import capture_hidden_states
+from elsi_fast.training import feature_cache as fc
 from tiny_lm import TARGET, conversation_samples_of_tiny_target
 
 

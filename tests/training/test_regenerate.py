@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from elsi_fast.training import regenerate as regen
 from elsi_fast.analysis.prompts import Prompt, encode_prompt
+from elsi_fast.training import regenerate as regen
 from tiny_lm import TARGET, TEXTS, TOKENIZER
 
 PROMPTS = [Prompt(text=TEXTS[i][: 20 + 9 * i], id=f"p{i}", category="story" if i % 2 else "qa", chat=True)

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from elsi_fast.analysis.prompts import Prompt, load_prompts
 from elsi_fast.training import regenerate as regen
 from elsi_fast.training import self_instruct as si
-from elsi_fast.analysis.prompts import Prompt, load_prompts
 from tiny_lm import TARGET, TEXTS, TOKENIZER
 
 CHAT = copy.deepcopy(TOKENIZER)

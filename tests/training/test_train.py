@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
-from elsi_fast.training import train as train_mod
 from elsi_fast.draft import Eagle3Draft
+from elsi_fast.training import train as train_mod
 from elsi_fast.training.train import draft_vocab_ids, train_draft, ttt_loss
 from elsi_fast.training.training_data import token_stream
 from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER, conversation_samples_of_tiny_target
