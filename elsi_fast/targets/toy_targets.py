@@ -86,7 +86,7 @@ class TargetRecipe:
 
 
 def _shared_corpus_dir() -> str:
-    return str(Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus")
+    return str(Path(__file__).resolve().parents[3] / "shared" / "data" / "corpus")
 
 
 # 12 blocks of width 128: the paper's effects are about depth, so depth is kept and width is cut.
