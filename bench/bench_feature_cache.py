@@ -59,7 +59,8 @@ def main() -> None:
 
     data = ROOT / "runs" / "draft-experiment" / args.model / "train-subset" / CONVERSATIONS_FILE
     if not data.is_file():
-        raise SystemExit(f"--model: no regenerated conversations at {data} (python -m bench.draft_experiment --stages data)")
+        raise SystemExit(f"--model: no regenerated conversations at {data} "
+                         "(python -m bench.draft_experiment --stages data)")
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     records = read_conversations(data)[: args.conversations]
     samples = conversation_samples(records, tokenizer, RECIPE["seq_len"], model.config.vocab_size)

@@ -189,8 +189,9 @@ print(json.dumps({"timing": report.timing, "total_seconds": total, "memory": rep
 
 def run_e2e_child(args, package_root: str, state: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=package_root, OMP_NUM_THREADS=str(args.threads))
-    payload = json.dumps([args.layers, args.prompts, args.m, str(shared_data("models", "stories260K", "stories260K.bin")),
-                          str(shared_data("prompts", "spec_bench_question.jsonl")), state, args.threads])
+    stories = str(shared_data("models", "stories260K", "stories260K.bin"))
+    spec_bench = str(shared_data("prompts", "spec_bench_question.jsonl"))
+    payload = json.dumps([args.layers, args.prompts, args.m, stories, spec_bench, state, args.threads])
     done = subprocess.run([sys.executable, "-c", E2E_CHILD, payload], env=env, capture_output=True, text=True,
                           check=True, cwd=package_root)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -218,8 +219,8 @@ def main() -> None:
     device = device_name("cpu", args.threads)
     base = {"layers": args.layers, "prompts": args.prompts, "m": args.m, "threads": args.threads}
     if args.part == "synthetic":
-        argv = [sys.executable, "-m", "bench.bench_selection", "synthetic", "--child", "--layers", str(args.layers), "--prompts",
-                str(args.prompts), "--threads", str(args.threads), "--m", *map(str, args.m)]
+        argv = [sys.executable, "-m", "bench.bench_selection", "synthetic", "--child", "--layers", str(args.layers),
+                "--prompts", str(args.prompts), "--threads", str(args.threads), "--m", *map(str, args.m)]
         if args.today:
             argv.append("--today")
         if args.tmp:

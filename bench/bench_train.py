@@ -52,7 +52,8 @@ samples = conversation_samples(records, tokenizer, 512, model.config.vocab_size)
 extra = {"precision": args["precision"]} if args["precision"] else {}
 trained = train_draft(model, tokenizer, args["layers"], samples, out_dir=args["out"],
                       feature_cache=open_cache(args["cache"]), steps=args["steps"], batch_size=16, lr=3e-3, warmup=2,
-                      ttt_steps=3, draft_vocab_size=4096, init="random", seq_len=512, seed=0, save_every=10**6, resume=False, progress=False, **extra)
+                      ttt_steps=3, draft_vocab_size=4096, init="random", seq_len=512, seed=0, save_every=10**6,
+                      resume=False, progress=False, **extra)
 # train_draft returns (draft, summary); a baseline commit's returned the draft only and wrote the file
 summary = trained.summary if hasattr(trained, "summary") else json.loads((Path(args["out"]) / SUMMARY_FILE).read_text())
 print(json.dumps({"tok_s": summary["tokens_per_second_this_run"],

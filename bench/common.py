@@ -35,7 +35,8 @@ def shared_data(*parts: str) -> Path:
     override = os.environ.get(SHARED_DATA_ENV)
     folder = Path(override) if override else ROOT.parent / "shared" / "data"
     if not folder.is_dir():
-        where = f"${SHARED_DATA_ENV}" if override else f"../shared/data beside {ROOT}; set ${SHARED_DATA_ENV} to another folder"
+        where = (f"${SHARED_DATA_ENV}" if override
+                 else f"../shared/data beside {ROOT}; set ${SHARED_DATA_ENV} to another folder")
         raise FileNotFoundError(f"the shared data folder {folder} is missing ({where})")
     return folder.joinpath(*parts)
 

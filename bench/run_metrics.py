@@ -261,8 +261,9 @@ def bench_entropy_memory() -> None:
         for dtype in ("bfloat16", "float32"):
             peaks = {}
             for name in PEAK_FNS:
-                out = subprocess.run([sys.executable, "-m", "bench.run_metrics", "--peak", name, str(shape["vocab"]), dtype], check=True,
-                                     capture_output=True, text=True, env={**os.environ, "BENCH_DEVICE": DEVICE.type})
+                out = subprocess.run([sys.executable, "-m", "bench.run_metrics", "--peak", name, str(shape["vocab"]), dtype],
+                                     check=True, capture_output=True, text=True,
+                                     env={**os.environ, "BENCH_DEVICE": DEVICE.type})
                 peaks[name] = int(out.stdout.strip().splitlines()[-1])
             ours = peaks["token_entropy"]
             method = "cuda max_memory_allocated" if DEVICE.type == "cuda" else "VmHWM growth, fresh process"

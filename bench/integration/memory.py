@@ -148,7 +148,8 @@ def worker(job_path: str) -> None:
     configure(job["threads"])
     import torch
 
-    from elsi_fast.decoding.speculative import draft_positions_needed, greedy_generate, native_decoder_for, speculative_generate
+    from elsi_fast.decoding.speculative import (draft_positions_needed, greedy_generate, native_decoder_for,
+                                                speculative_generate)
     from elsi_fast.targets.loading import load_model
 
     model, _ = load_model(job["model"], device="cpu", dtype="float32", progress=False)

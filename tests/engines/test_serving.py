@@ -1,4 +1,5 @@
-"""Serving-config index conventions (docs/method.md section 2) and what each engine reads (elsi_fast/engines/serving.py)."""
+"""Serving-config index conventions (docs/method.md section 2) and what each engine reads
+(elsi_fast/engines/serving.py)."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""Loading targets (elsi_fast.targets.loading): GGUF files and named real targets, their dequantized folders, bad input."""
+"""Loading targets (elsi_fast.targets.loading): GGUF files and named real targets, their dequantized
+folders, bad input."""
 
 from __future__ import annotations
 
