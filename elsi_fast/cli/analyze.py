@@ -213,4 +213,39 @@ def handler(args: argparse.Namespace) -> int:
         for note in entry["notes"]:
             print(f"  {'':<11} note: {note}")
     print(f"\nwrote {os.path.join(args.out, 'report.json')}, {', '.join(os.path.basename(p) for p in plots)}, serving_configs.json")
+    for line in kept_draft_lines(args.model, report):
+        print(line)
     return 0
+
+
+# Drafts kept in the repository (bench/keep_draft.py): found from a source checkout only.
+KEPT_DRAFTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "bench", "results", "drafts")
+
+
+def kept_draft_lines(model: str, report) -> list[str]:
+    """Lines naming the kept drafts of this target (bench/results/drafts/<model>/), the one whose
+    layers this run picked first, with their tau and the commands that measure and serve them."""
+    folder = os.path.join(KEPT_DRAFTS, str(model))
+    if not os.path.isdir(folder):
+        return []
+    picks = {(method, int(m)): layers for method, by_m in report.selections.items() for m, layers in by_m.items()}
+    kept = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name, "training.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                facts = json.load(f)
+            matching = [f"{method} m={m}" for (method, m), layers in sorted(picks.items()) if layers == facts["layers"]]
+            kept.append((not matching, name, os.path.join(folder, name), facts, matching))
+    lines = []
+    for _, name, path, facts, matching in sorted(kept):
+        tau = facts["tau"].get("spec-bench", {}).get("k=4")
+        tau = "not measured" if tau is None else f"{tau:.3f}"
+        match = f"this run's {', '.join(matching)} pick" if matching else "not a pick of this run"
+        lines.append(f"\nkept draft {name}: layers {facts['layers']} ({match}), tau {tau} at k=4 on Spec-Bench, "
+                     f"trained on {facts['conversations']} conversations")
+        lines.append(f"  measure: elsi-fast eval-draft --target {model} --draft {os.path.relpath(path)} "
+                     "--prompts ../shared/data/prompts/spec_bench_question.jsonl --k 4 --max-new-tokens 128")
+        lines.append(f"  serve:   elsi-fast serve --draft {os.path.relpath(path)} --engine vllm --target {model} -k 4")
+    return lines

@@ -87,3 +87,24 @@ def test_entry_point_reports_bad_input_with_exit_code_2(shared_data, tmp_path, c
     model = os.path.join(shared_data, "models", "stories260K", "stories260K.bin")
     assert main(["analyze", "--model", model, "--prompts", str(empty), "--out", str(tmp_path / "o")]) == 2
     assert "elsi-fast analyze: error: --prompts:" in capsys.readouterr().err
+
+
+def test_kept_draft_lines_name_the_draft_of_the_pick(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from elsi_fast.cli import analyze
+
+    for name, layers, tau in (("elsi-m1-11", [11], 1.5), ("eagle3-m3-2-15-27", [2, 15, 27], 1.25)):
+        folder = tmp_path / "smollm2-135m-instruct" / name
+        folder.mkdir(parents=True)
+        (folder / "training.json").write_text(json.dumps(
+            {"layers": layers, "conversations": 3697, "tau": {"spec-bench": {"k=4": tau}}}))
+    monkeypatch.setattr(analyze, "KEPT_DRAFTS", str(tmp_path))
+    report = SimpleNamespace(selections={"elsi": {"1": [18], "3": [5, 18, 27]}, "eagle3": {"3": [2, 15, 27]}})
+    lines = analyze.kept_draft_lines("smollm2-135m-instruct", report)
+    # the draft on a layer set this run picked comes first
+    assert "kept draft eagle3-m3-2-15-27: layers [2, 15, 27] (this run's eagle3 m=3 pick), tau 1.250" in lines[0]
+    assert "kept draft elsi-m1-11: layers [11] (not a pick of this run), tau 1.500" in lines[3]
+    assert "elsi-fast eval-draft --target smollm2-135m-instruct --draft" in lines[1]
+    assert "elsi-fast serve --draft" in lines[2] and len(lines) == 6
+    assert analyze.kept_draft_lines("gemma3-270m", report) == []

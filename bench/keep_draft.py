@@ -1,0 +1,91 @@
+"""Keep a finished long-run draft in the repository: bf16 weights and the facts that make it reproducible.
+
+    python -m bench.keep_draft runs/long-run/smollm2-135m-instruct/elsi-m1-seed0-steps480 \
+        --model smollm2-135m-instruct --set elsi-m1 --data runs/data-smollm2-3897
+
+Writes bench/results/drafts/<model>/<set>-<layers>/: the EAGLE3 folder (`config.json`,
+`model.safetensors`, bf16, what `eval-draft --draft`, `serve --draft` and vLLM read) and
+`training.json`: target, layers, conversations, answer_tokens, tokens_seen, steps, the recipe, the
+draft vocabulary's coverage and the tau table of the kept step (k = 1..5 on each evaluation set of
+bench/results/draft_long_run_cpu.jsonl). Refuses a draft over 30 MB, so the repository stays small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTS = ROOT / "bench" / "results" / "drafts"
+CURVE = ROOT / "bench" / "results" / "draft_long_run_cpu.jsonl"
+MAX_BYTES = 30 * 2**20
+
+
+def tau_table(cell: str, step: int) -> dict[str, dict[str, float]]:
+    """{set: {"k=K": tau}} of one kept step, from the long run's curve rows."""
+    table: dict[str, dict[str, float]] = {}
+    for line in CURVE.read_text().splitlines():
+        row = json.loads(line)
+        p = row["params"]
+        if p["cell"] == cell and p["step"] == step:
+            table.setdefault(p["set"], {})[f"k={row['metric'].removeprefix('tau_k')}"] = round(row["value"], 4)
+    return table
+
+
+def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
+    import torch
+
+    from bench.draft_long_run import split
+    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations
+    from elsi_fast.train import SUMMARY_FILE
+
+    summary = json.loads((cell / SUMMARY_FILE).read_text())
+    step = summary["history"][-1]["step"]
+    table = tau_table(cell.name, step)
+    if not table:
+        raise SystemExit(f"cell: no curve rows for {cell.name} step {step} in {CURVE}; run the long run's curve stage first")
+    layers = list(summary["layers"])
+    train = split(read_conversations(data / CONVERSATIONS_FILE), summary["seed"])[0]
+    out = DRAFTS / model / f"{layer_set}-{'-'.join(map(str, layers))}"
+    draft = Eagle3Draft.from_pretrained(cell).to(torch.bfloat16)
+    draft.save_pretrained(out)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    if size > MAX_BYTES:
+        raise SystemExit(f"cell: the bf16 draft takes {size / 2**20:.1f} MB, over the 30 MB a kept draft may take")
+    facts = {
+        "target": model,
+        "layers": layers,
+        "layer_set": layer_set,
+        "conversations": len(train),
+        "answer_tokens": sum(len(r["response_ids"]) for r in train),
+        "tokens_seen": sum(h["tokens"] for h in summary["history"]),
+        "steps": step,
+        "recipe": {key: summary.get(key) for key in ("init", "draft_vocab_size", "ttt_steps", "batch_size", "lr",
+                                                     "warmup", "seq_len", "weight_decay", "seed")},
+        "draft_vocab_coverage": summary.get("draft_vocab_coverage"),
+        "final_loss": summary["final_loss"],
+        "tau": table,
+        "tau_note": "tokens per target forward, greedy, pooled over prompts; held-in / held-out: 200 training / "
+                    "unseen conversations each; spec-bench: the 480 Spec-Bench prompts, 128 new tokens "
+                    "(bench/draft_long_run.py)",
+        "source": str(cell.relative_to(ROOT)) if cell.is_relative_to(ROOT) else str(cell),
+    }
+    (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cell", type=Path, help="the long run's cell folder (its final draft and train_summary.json)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--set", required=True, help="the layer set's name (elsi-m1, eagle3-m3, ...)")
+    parser.add_argument("--data", type=Path, required=True, help="the regenerate folder the cell trained on")
+    args = parser.parse_args(argv)
+    print(keep(args.cell.resolve(), args.model, args.set, args.data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
