@@ -38,8 +38,8 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
 
     from bench.draft_long_run import split
     from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.regenerate import CONVERSATIONS_FILE, read_conversations
-    from elsi_fast.train import SUMMARY_FILE
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
+    from elsi_fast.training.train import SUMMARY_FILE
 
     summary = json.loads((cell / SUMMARY_FILE).read_text())
     step = summary["history"][-1]["step"]
