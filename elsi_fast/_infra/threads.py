@@ -58,13 +58,32 @@ def available_cores() -> int:
     return max(1, cores)
 
 
+def busy_cores_now(window: float = 0.1) -> float | None:
+    """Machine cores other processes keep busy over the next `window` seconds (/proc/stat less
+    this process's own time); None off Linux."""
+    before, own_before = _cpu_jiffies(), _own_jiffies()
+    if before is None or own_before is None:
+        return None
+    time.sleep(window)
+    after, own_after = _cpu_jiffies(), _own_jiffies()
+    span = (after[1] - before[1]) / (os.cpu_count() or 1)  # ticks per core in the window
+    if span <= 0:
+        return None
+    return max(0.0, (after[0] - before[0] - (own_after - own_before)) / span)
+
+
 def busy_fraction() -> float:
-    """Share of the machine other processes keep busy: 1-minute load average / machine cores, in [0, 1]."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
-    return min(1.0, max(0.0, load / (os.cpu_count() or 1)))
+    """Share of the machine other processes keep busy now, in [0, 1]: measured over 0.1 s
+    (`busy_cores_now`), not from the 1-minute load average, which still counts the minute before:
+    right after the README's set-up command (pip and the compiler) it gave an idle 2-core machine
+    1 thread. Off Linux, the load average."""
+    busy = busy_cores_now()
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return 0.0
+    return min(1.0, max(0.0, busy / (os.cpu_count() or 1)))
 
 
 def default_threads() -> int:

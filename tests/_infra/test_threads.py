@@ -23,6 +23,7 @@ def machine(monkeypatch, tmp_path):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
         monkeypatch.setattr(os, "cpu_count", lambda: cpus)
         monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(threads, "busy_cores_now", lambda: load)  # the cores others keep busy now
         cpu_max.write_text(quota + "\n")
 
     return set_machine
@@ -42,6 +43,26 @@ def machine(monkeypatch, tmp_path):
 def test_default_threads(machine, cores, cpus, load, quota, expected):
     machine(cores, cpus, load, quota)
     assert threads.default_threads() == expected
+
+
+def test_busy_cores_now_counts_other_processes_not_this_one(monkeypatch):
+    """/proc/stat ticks over the window, less this process's own: 2 cores, 10 ticks each, of which
+    12 busy, 5 of them this process's -> 0.7 cores busy elsewhere."""
+    machine = iter([(100, 1000), (112, 1020)])
+    own = iter([40, 45])
+    monkeypatch.setattr(threads, "_cpu_jiffies", lambda: next(machine))
+    monkeypatch.setattr(threads, "_own_jiffies", lambda: next(own))
+    monkeypatch.setattr(threads.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert threads.busy_cores_now() == pytest.approx(0.7)
+
+
+def test_a_recent_load_average_does_not_cost_threads_on_an_idle_machine(machine, monkeypatch):
+    machine(2, 2, 0.0)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.5, 1.0))  # the set-up command a moment ago
+    assert threads.default_threads() == 2
+    monkeypatch.setattr(threads, "busy_cores_now", lambda: None)  # off Linux: the load average
+    assert threads.default_threads() == 1
 
 
 def test_omp_num_threads_wins(machine, monkeypatch):
