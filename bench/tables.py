@@ -307,6 +307,27 @@ def serve_check(results: Results) -> list[str]:
     return markdown(header, body)
 
 
+# ---- docs/real-models.md: the long run's tau curve ----------------------------------------------
+
+LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
+LONG_RUN_SETS = ("held-in", "held-out", "spec-bench")
+
+
+def long_run_curve(cell: str) -> Callable[[Results], list[str]]:
+    """Reads tau_k4 of each kept step of one long-run cell on its three evaluation sets (params.set),
+    with the training tokens it had seen (params.tokens_seen)."""
+
+    def render(results: Results) -> list[str]:
+        steps = sorted({row["params"]["step"] for row in results.rows(LONG_RUN.file) if row["params"]["cell"] == cell})
+        body = []
+        for step in steps:
+            rows = [LONG_RUN.pick(results, "tau_k4", cell=cell, step=step, set=name) for name in LONG_RUN_SETS]
+            body.append([str(step), f"{rows[0]['params']['tokens_seen'] / 1e6:.2f}M", *(f"{r['value']:.3f}" for r in rows)])
+        return markdown(["step", "training tokens seen", "held in (200)", "held out (200)", "Spec-Bench (480)"], body)
+
+    return render
+
+
 PERF = "docs/performance.md"
 GGML = "llamacpp_kernels_cpu.jsonl: llamacpp_kernels, elsi_{fp32,bf16,int8}_vs_ggml_*"
 TABLES: tuple[Table, ...] = (
@@ -321,6 +342,8 @@ TABLES: tuple[Table, ...] = (
           "EAGLE3-default draft", vllm_real(EAGLE3_SEED2)),
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/*",
           llamacpp_real),
+    Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("elsi-m1-seed0-steps480")),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
           serve_check),
 )
