@@ -154,7 +154,8 @@ class FreeCores:
         self.interval = interval
         self.limit = limit
         self.first_window = first_window
-        self._free = min(default_threads(), limit or default_threads())  # off Linux: the only estimate
+        estimate = default_threads()  # measured over 0.1 s: once
+        self._free = min(estimate, limit or estimate)  # off Linux: the only estimate
         self._measured = False
         self._last = self._sample()
 
