@@ -84,12 +84,13 @@ def mean_half(values: Sequence[float]) -> str:
 
 
 def claims_tables(cells: Sequence[dict], sets: Mapping[str, Sequence[int]], emitted: Mapping[str, Sequence[int]],
-                  reference: str = REFERENCE, label: str = "EAGLE3", ks: Sequence[int] = KS) -> list[Table]:
-    """The base-recipe cells' tables: tau per set and category at k=4 with the paired difference
-    from `reference` (called `label`), tau against k, and the paired differences at every k and
-    per category at k=4."""
+                  reference: str = REFERENCE, label: str = "EAGLE3", ks: Sequence[int] = KS,
+                  at: int = 4) -> list[Table]:
+    """The base-recipe cells' tables: tau per set and category at k=`at` with the paired difference
+    from `reference` (called `label`), tau against k, and the paired differences at every k of
+    `ks` and per category at k=`at`."""
     grouped = by_set(cells)
-    categories = sorted({c for runs in grouped.values() for cell in runs.values() for c in cell["tau"]["4"]["pooled"]
+    categories = sorted({c for runs in grouped.values() for cell in runs.values() for c in cell["tau"][str(at)]["pooled"]
                          if c != "all"})
     ref = grouped.get(reference, {})
     main = Table(f"Δ vs {label}: the paired difference of pooled tau over seeds (mean ± 95% t half-width), and a "
@@ -101,12 +102,12 @@ def claims_tables(cells: Sequence[dict], sets: Mapping[str, Sequence[int]], emit
             continue
         row = [name, str(list(sets[name])), str(len(runs))]
         for category in ["all", *categories]:
-            mean, half = mean_t_interval([_tau(r, "4", category) for r in runs.values()])
+            mean, half = mean_t_interval([_tau(r, str(at), category) for r in runs.values()])
             row.append(f"{mean:.3f} ± {half:.3f}")
-        paired = paired_differences(runs, ref)
+        paired = paired_differences(runs, ref, str(at))
         if name != reference and paired:
             mean, half = mean_t_interval(paired)
-            low, high = bootstrap_cells(runs, ref, emitted)
+            low, high = bootstrap_cells(runs, ref, emitted, str(at))
             row.append(f"{mean:+.3f} ± {half:.3f} (n={len(paired)} seeds); prompts [{low:+.3f}, {high:+.3f}]")
         else:
             row.append("0" if name == reference else "-")
@@ -117,7 +118,7 @@ def claims_tables(cells: Sequence[dict], sets: Mapping[str, Sequence[int]], emit
     compared = {name: runs for name, runs in grouped.items() if name != reference and set(runs) & set(ref)}
     delta_k = Table(f"Δ vs {label} at each k: paired over seeds (mean ± 95% t half-width) and the 95% bootstrap "
                     "interval over prompts:", ["set", *(f"k={k}" for k in ks)], [])
-    delta_category = Table(f"Δ vs {label} per category at k=4 (mean over paired seeds; 95% bootstrap interval over "
+    delta_category = Table(f"Δ vs {label} per category at k={at} (mean over paired seeds; 95% bootstrap interval over "
                            "the category's prompts):", ["set", *categories], [])
     for name, runs in compared.items():
         row = [name]
@@ -128,8 +129,8 @@ def claims_tables(cells: Sequence[dict], sets: Mapping[str, Sequence[int]], emit
         delta_k.rows.append(row)
         row = [name]
         for category in categories:
-            mean = mean_t_interval(paired_differences(runs, ref, "4", category))[0]
-            low, high = bootstrap_cells(runs, ref, emitted, "4", category=category)
+            mean = mean_t_interval(paired_differences(runs, ref, str(at), category))[0]
+            low, high = bootstrap_cells(runs, ref, emitted, str(at), category=category)
             row.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
         delta_category.rows.append(row)
     return [main, per_k, delta_k, delta_category]
