@@ -1,6 +1,9 @@
 """The paper's draft claims on real targets: EAGLE3 drafts on chosen layer sets, trained the anchors'
 way, tau on all 480 Spec-Bench prompts. A resumable experiment: every step (data, cache, a trained
 draft, its tau) works under runs/draft-experiment/<model>/ and a rerun does only what is missing.
+The cells, their replayed tau, the paired statistics and the tables are the library's
+(`elsi_fast.decoding.experiments`, `experiment_report`, `paired_stats`: docs/experiments.md); this
+script holds the stages over the shared data and the kept state.
 What a later session on a fresh clone needs is committed under bench/results/draft_experiment/<model>/
 (--keep): the regenerated answers as token ids (not the prompts: `regenerate.export_answers`), the
 calibration report and every finished cell's result; a rerun restores them instead of recomputing,
