@@ -48,7 +48,7 @@ from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, repl
 from elsi_fast.decoding.experiment_report import (
     Table, by_set, claims_tables, plot_claims, plot_scaling, recipe_cells, recipe_table, rerun_note, variant_tables,
 )
-from elsi_fast.decoding.experiments import Cell, ExperimentData, finished_cell, read_cells
+from elsi_fast.decoding.experiments import Cell, ExperimentData, finished_cell, layer_sets, read_cells
 from elsi_fast.decoding.paired_stats import emitted_tokens
 from elsi_fast.targets.loading import load_model
 from elsi_fast.training.feature_cache import build, open_cache
@@ -72,12 +72,11 @@ RECIPE = {"init": "target", "draft_vocab_size": 8192, "ttt_steps": 3, "steps": 1
 
 
 def sets_of(report: LayerReport, model: str) -> dict[str, list[int]]:
-    """The layer sets of the claims (input-to-layer ids)."""
-    sets = {"elsi-m1": report.select("elsi", 1), "elsi-m3": report.select("elsi", 3),
-            "eagle3-m3": report.select("eagle3", 3), "low-entropy-m3": report.select("low-entropy", 3)}
+    """The layer sets of the claims (input-to-layer ids), in the claims' order: elsi-m1, elsi-m3,
+    eagle3-m3, low-entropy-m3 (SmolLM2: then elsi-c-m3, last-m1, uniform-m3)."""
+    sets = {**layer_sets(report, ["elsi"], [1, 3]), **layer_sets(report, ["eagle3", "low-entropy"], [3])}
     if model.startswith("smollm2"):
-        sets.update({"elsi-c-m3": report.select("elsi-c", 3), "last-m1": report.select("last", 1),
-                     "uniform-m3": report.select("uniform", 3)})
+        sets.update(layer_sets(report, ["elsi-c", "last", "uniform"], [3]))
     return sets
 
 

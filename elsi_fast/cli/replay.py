@@ -41,6 +41,9 @@ def read_replay_records(path: str, option: str = "--replay") -> tuple[str, list[
     folder = (os.path.dirname(path) or ".") if os.path.basename(os.path.normpath(path)) == CONVERSATIONS_FILE else path
     if not os.path.exists(path):
         _fail(f"{option}: no such file or folder: {path}; give a folder of `elsi-fast regenerate` (greedy)")
+    if os.path.isfile(folder):
+        _fail(f"{option}: {path} is a file; give a regenerate folder or its {CONVERSATIONS_FILE} (kept answers, an "
+              "export_answers .json, are rebuilt into one by `elsi-fast regenerate --restore`)")
     conversations, settings = os.path.join(folder, CONVERSATIONS_FILE), os.path.join(folder, SETTINGS_FILE)
     for needed in (conversations, settings):
         if not os.path.isfile(needed):

@@ -102,6 +102,7 @@ def test_replay_bad_input_is_one_line_and_exit_2(setup, capsys, tmp_path):
     base = ["eval-draft", "--target", str(target), "--draft", str(draft_dir), "--no-progress"]
     _fails([*base, "--replay", str(tmp_path / "none")], capsys, "--replay: no such file or folder")
     _fails([*base, "--replay", str(tmp_path)], capsys, "has no conversations.jsonl")
+    _fails([*base, "--replay", str(answers / "regenerate.json")], capsys, "is a file; give a regenerate folder")
     _fails([*base, "--replay", str(answers), "--max-new-tokens", "8"], capsys, "--max-new-tokens: a replay")
     _fails([*base, "--replay", str(answers), "--prompts", "x"], capsys, "not allowed with argument")
     _fails([*base, "--prompts", str(root / "prompts.jsonl"), "--states", "x"], capsys, "--states: only a replay")
@@ -120,6 +121,7 @@ def test_replay_bad_input_is_one_line_and_exit_2(setup, capsys, tmp_path):
     (sampled / "conversations.jsonl").write_text("\n".join(lines[:2]) + '\n{"prompt_ids": [1], "response_ids": "x"}\n')
     _fails([*base, "--replay", str(sampled / "conversations.jsonl")], capsys, "line 3 of")
     (sampled / "conversations.jsonl").write_text("\n".join(lines[:2]) + "\n")  # other continuations than the states'
+    assert main([*base, "--replay", str(answers), "--cache-layers", "1", "2", "3"]) == 0  # the states (if not yet)
     _fails([*base, "--replay", str(sampled), "--states", str(answers / "states")], capsys,
            "holds the states of 6 sequences, --replay has 2")
 
