@@ -95,7 +95,10 @@ def check(args: argparse.Namespace) -> None:
     sets = {}
     for method in args.methods:
         for m in [FIXED_M[method]] if method in FIXED_M else args.m:
-            sets[f"{method}-m{m}"] = _layers_from_report(args.report, method, m)
+            try:
+                sets[f"{method}-m{m}"] = _layers_from_report(args.report, method, m)
+            except UsageError as exc:  # train-draft's message names its own --method
+                raise UsageError(str(exc).replace("--method/--m:", "--methods/--m:", 1)) from None
     train = os.path.join(args.train, "conversations.jsonl") if os.path.isdir(args.train) else args.train
     from ..training.training_data import is_conversations_file
 

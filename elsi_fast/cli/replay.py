@@ -25,7 +25,8 @@ from .regenerate import CONVERSATIONS_FILE
 SETTINGS_FILE = "regenerate.json"  # elsi_fast.training.regenerate.SETTINGS_FILE (no torch import here)
 STATES_FOLDER = "states"
 META_FILE = "meta.json"  # elsi_fast.training.feature_cache.META_FILE
-LIVE_ONLY = {"prompts": "--prompts", "target_runtime": "--target-runtime", "max_new_tokens": "--max-new-tokens",
+# Options of live decoding only (--prompts itself is exclusive with --replay in the parser).
+LIVE_ONLY = {"target_runtime": "--target-runtime", "max_new_tokens": "--max-new-tokens",
              "max_prompt_tokens": "--max-prompt-tokens"}
 REPLAY_ONLY = {"states": "--states", "cache_layers": "--cache-layers"}
 

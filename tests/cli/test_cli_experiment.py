@@ -138,6 +138,7 @@ def test_experiment_runs_resumes_and_reports(setup, capsys, tmp_path):
            "--ks", "1", "4", "--no-progress"]
     _fails(["experiment", "status", "--out", str(out)], capsys, "holds no experiment.json")
     _fails(run[:3] + run[5:], capsys, "--report: experiment run needs it")
+    _fails([*run, "--methods", "elsi", "nope"], capsys, "--methods/--m: method: expected one of")
     assert main(run) == 0
     printed = capsys.readouterr().out
     assert printed.count(" trained ") == 4 and "| elsi-m1 | [2] | 2 |" in printed
