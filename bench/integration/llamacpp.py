@@ -417,7 +417,7 @@ def verify_cost(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace) -> None:
     """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
     from bench.common import cpu_model, record
-    from elsi_fast.engines.serving import llamacpp_layer_ids
+    from elsi_fast.engines.layer_ids import llamacpp_layer_ids
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ with `--spec-type draft-eagle3`. vLLM: the folder is served as it is (`vllm serv
 --speculative-config {"method": "eagle3", ...}`); a GGUF target is served from its dequantized
 float32 folder (`elsi_fast.targets.loading.dequantized_folder`), the model elsi-fast measures tau on. Both
 check what the engine would otherwise get silently wrong: layer ids it cannot capture
-(`elsi_fast.engines.serving.candidate_layers`) and a vocabulary that differs from the target's. The server
+(`elsi_fast.engines.layer_ids.candidate_layers`) and a vocabulary that differs from the target's. The server
 replaces this process (`exec`), so Ctrl-C and signals reach it.
 """
 
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check(args: argparse.Namespace) -> None:
     """Everything that can be checked without torch: the draft's config, the target, the binary."""
     from ..draft.config import Eagle3Config
-    from ..engines.serving import candidate_layers
+    from ..engines.layer_ids import candidate_layers
     from ..targets.loading import describe_source
 
     config_path = Path(args.draft) / "config.json"

@@ -10,7 +10,7 @@ Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`
   `num_aux_hidden_states` (the fc width of vLLM and SGLang), and `eagle_config` =
   {`use_aux_hidden_state`, `eagle_aux_hidden_state_layer_ids` (output-of-layer, id - 1: SGLang's
   and SpecForge's capture ids)}. `eagle_config` never carries `layer_ids`, the key vLLM falls
-  back to for capture ids. Which engine reads which field is listed in `elsi_fast.engines.serving`.
+  back to for capture ids. Which engine reads which field is listed in `elsi_fast.engines.layer_ids`.
 * "speculators": the config `speculators.SpeculatorModel.from_pretrained` and vLLM's speculators
   path load (`speculators_model_type = "eagle3"`, the layer fields nested in
   `transformer_layer_config`, the verifier named in `speculators_config`).
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.serving import from_output_of_layer, to_output_of_layer
+from ..engines.layer_ids import from_output_of_layer, to_output_of_layer
 
 # Upstream drafts hard-code three aux layers; a config without layer ids means that default.
 DEFAULT_NUM_AUX_LAYERS = 3

@@ -29,6 +29,7 @@ from .._infra.native_names import TRAINING_PRECISIONS
 from .._infra.state_files import load_state, save_state
 from ..analysis.pass_state import rank_and_world
 from ..draft import Eagle3Config, Eagle3Draft
+from ..engines.layer_ids import check_layer_set
 from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .feature_cache import samples_fingerprint
 from .training_data import Sample, pad_samples, token_stream
@@ -115,18 +116,6 @@ def draft_config_for(target, layers: Sequence[int], draft_vocab_size: int, **ove
         fields["head_dim"] = None  # re-derived from hidden_size and the new head count
     fields.update(overrides)
     return Eagle3Config(**fields)
-
-
-def _check_layers(target, layers: Sequence[int]) -> list[int]:
-    num_blocks = len(decoder_layers(target))
-    layers = [int(layer) for layer in layers]
-    if not layers:
-        raise ValueError("layers: expected at least one target layer")
-    if sorted(set(layers)) != layers:
-        raise ValueError(f"layers: must be strictly increasing (engines concatenate in layer order), got {layers}")
-    if layers[0] < 0 or layers[-1] > num_blocks:
-        raise ValueError(f"layers: ids must be in 0..{num_blocks} (input-to-layer, N={num_blocks}), got {layers}")
-    return layers
 
 
 class _WindowBatches:
@@ -373,7 +362,7 @@ def train_draft(
         raise ValueError(f"batch_size: the global batch of {batch_size} does not split over {world} processes")
     if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= steps for k in keep_steps):
         raise ValueError(f"keep_steps: expected steps in 1..{steps}, got {list(keep_steps)}")
-    layers = _check_layers(target, layers)
+    layers = check_layer_set(layers, len(decoder_layers(target)))
     vocab_size = target.config.vocab_size
     draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
     out = Path(out_dir)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
-from elsi_fast.engines.serving import llamacpp_layer_ids
+from elsi_fast.engines.layer_ids import llamacpp_layer_ids
 
 from .random_draft import randomize_draft_
 
