@@ -1,6 +1,7 @@
 """`Eagle3Config`: the shape and architecture variant of an EAGLE3 draft head, and its `config.json`.
 
-Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`:
+The config.json of the two folder formats (`elsi_fast.draft.formats`), told apart on read by
+`speculators_model_type`:
 
 * "eagle3": the config SpecForge writes and vLLM / SGLang read (a Llama config with
   `architectures = ["LlamaForCausalLMEagle3"]`, `num_hidden_layers = 1`, `draft_vocab_size`,
@@ -36,7 +37,6 @@ from ..engines.layer_ids import from_output_of_layer, to_output_of_layer
 # Upstream drafts hard-code three aux layers; a config without layer ids means that default.
 DEFAULT_NUM_AUX_LAYERS = 3
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-FORMATS = ("eagle3", "speculators")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 # speculators' `transformer_layer_config.model_type` -> whether the layer has q/k norms.
 _SPECULATORS_LAYER_TYPES = {"llama": False, "qwen3": True}

@@ -1,6 +1,6 @@
 """Layer-id conventions: which hidden state each serving engine means by a layer id (docs/method.md
 section 2). The one place that maps our h_0 .. h_N onto engine ids; serving configs
-(`engines.serving`), the draft's config.json and GGUF (`draft.config`, `draft.gguf_export`) and training use it.
+(`engines.serving`), the draft formats (`draft.config`, `draft.formats`) and training use it.
 
 elsi-fast indexes hidden states input-to-layer: h_l is the input of block l (h_0 the embeddings,
 h_N the last block's output before the final norm). vLLM, speculators and llama.cpp use the same
@@ -34,8 +34,8 @@ llama-cpp-python 0.3.36 sdist; TensorRT-LLM was not checked here):
   input-to-layer, exactly three ids (`src/models/eagle3.cpp` refuses others); each id's state is
   copied into the fc input in turn, so an id may repeat. An m=1 or m=2 draft is served as its exact
   3-id equivalent ([a] -> [a, a, a], [a, b] -> [a, b, b], zero fc columns for the repeats), which
-  `Eagle3Draft.save_pretrained(path, format="gguf", target=...)` writes. Id l < N reads the input
-  of block l; id N reads the graph's `t_h_nextn`, which the Llama-family graphs never fill (the draft gets
+  `write_draft(draft, path, format="gguf", target=...)` writes. Id l < N reads the input of block
+  l; id N reads the graph's `t_h_nextn`, which the Llama-family graphs never fill (the draft gets
   zeros: measured on SmolLM2 by bench/integration/llamacpp.py) and the MTP graphs (qwen35,
   gemma4, ...) fill after the final norm; only gpt-oss gives the last block's output. So
   h_0 .. h_{N-1} here.

@@ -7,7 +7,7 @@ target's next-token logits. The draft is trained with the training-time test of 
 token further; its loss is the cross-entropy between the draft distribution and the target's
 next-token distribution restricted to the draft vocabulary (renormalized), weighted 0.8^i.
 
-Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`save_pretrained`), and
+Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`draft.formats.write_draft`), and
 ``out_dir/training_state.pt`` the draft weights, optimizer, schedule, data-sampler state and step,
 written atomically, so an interrupted run resumes where it stopped and ends with the same weights
 as an uninterrupted one.
@@ -29,6 +29,7 @@ from .._infra.native_names import TRAINING_PRECISIONS
 from .._infra.state_files import load_state, save_state
 from ..analysis.pass_state import rank_and_world
 from ..draft import Eagle3Config, Eagle3Draft
+from ..draft.formats import write_draft
 from ..engines.layer_ids import check_layer_set
 from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .feature_cache import samples_fingerprint
@@ -408,9 +409,9 @@ def train_draft(
             save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                         "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
                         "step": step, "history": history}, state_path)
-            draft.save_pretrained(out)
+            write_draft(draft, out)
             if step in keep_steps:
-                draft.save_pretrained(out / CHECKPOINTS_DIR / f"step-{step:06d}")
+                write_draft(draft, out / CHECKPOINTS_DIR / f"step-{step:06d}")
 
     from tqdm.auto import tqdm
 

@@ -1,4 +1,5 @@
-"""EAGLE3 drafts as GGUF files for llama.cpp (`--spec-type draft-eagle3 -md draft.gguf`).
+"""The "gguf" format: an EAGLE3 draft as one GGUF file for llama.cpp (`--spec-type draft-eagle3 -md
+draft.gguf`). Written only, never read back.
 
 What llama.cpp (the copy vendored in llama-cpp-python 0.3.36: `src/models/eagle3.cpp`,
 `common/speculative.cpp`) reads from a draft GGUF:
@@ -28,17 +29,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..engines.layer_ids import (LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT, LLAMACPP_LAYERS, eagle3_default_layers,
-                                 llamacpp_layer_ids)
-from .model import rope_inv_freq
-
-if TYPE_CHECKING:
-    from .model import Eagle3Draft
+from ...engines.layer_ids import (LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT, LLAMACPP_LAYERS, eagle3_default_layers,
+                                  llamacpp_layer_ids)
+from ..model import Eagle3Draft, rope_inv_freq
 
 ARCH = "eagle3"
 # Variants eagle3.cpp does not implement: it would compute the plain layer.
@@ -46,8 +43,9 @@ _UNSUPPORTED_VARIANTS = ("fc_norm", "norm_feedback", "final_norm", "qk_norm", "s
 _FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # general.file_type (llama_ftype)
 
 
-def write_gguf(draft: "Eagle3Draft", path: str | os.PathLike, target: str | os.PathLike | None) -> None:
-    """Write `draft` as a llama.cpp EAGLE3 draft GGUF at `path`, for the target GGUF file `target`."""
+def write(draft: Eagle3Draft, path: str | os.PathLike, *, target: str | os.PathLike | None = None) -> None:
+    """Write `draft` as a llama.cpp EAGLE3 draft GGUF at `path` (one file), for the target GGUF file
+    `target` (required: its tokenizer is copied, its layer count and vocabulary checked)."""
     import gguf
 
     if target is None:
@@ -190,7 +188,7 @@ def _check_draft(config, info: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _tensors(draft: "Eagle3Draft", m: int) -> dict[str, Tensor]:
+def _tensors(draft: Eagle3Draft, m: int) -> dict[str, Tensor]:
     """llama.cpp's tensor names -> CPU tensors (torch layout [out, in]; GGUF lists dims reversed)."""
     config = draft.config
     layer = draft.midlayer
