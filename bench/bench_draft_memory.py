@@ -13,6 +13,7 @@ import torch
 
 from bench.common import record
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
+from elsi_fast.engines.layer_ids import eagle3_default_layers
 
 RESULTS = "draft_memory"
 TARGETS = {
@@ -27,7 +28,7 @@ SERVING_DTYPE = torch.bfloat16
 def draft_memory(shape: dict, m: int) -> dict[str, int]:
     """Parameter count and byte figures of one draft (weights in SERVING_DTYPE)."""
     n = shape["num_layers"]
-    layers = (2, n // 2, n - 3) if m == 3 else (n // 2,)
+    layers = tuple(eagle3_default_layers(n)) if m == 3 else (n // 2,)
     config = Eagle3Config(**{k: v for k, v in shape.items() if k != "num_layers"}, aux_layer_ids=layers)
     with torch.device("meta"):
         draft = Eagle3Draft(config).to(SERVING_DTYPE)

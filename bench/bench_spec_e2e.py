@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record
 from elsi_fast.decoding.speculative import _crop, _TargetRunner, greedy_generate, speculative_generate
-from elsi_fast.draft import Eagle3Draft, native
+from elsi_fast.draft import native, read_draft
 
 FILE = "spec_e2e_cpu"
 DTYPES = ("fp32", "bf16", "int8")
@@ -227,7 +227,7 @@ def main() -> None:
         raise SystemExit(f"no native op: {native.describe('cpu')}")
     model, tokenizer = load_model(args.target, device="cpu", dtype="float32")
     runtime = accelerate(model, args.target_runtime, threads=args.threads)
-    draft = Eagle3Draft.from_pretrained(str(args.draft), embed_tokens=model.get_input_embeddings().weight.detach()).eval()
+    draft = read_draft(str(args.draft), embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     records = chosen_prompts(args.experiment, args.per_category)
     dev = device_name("cpu")
     conditions = dict(model=args.target, target_runtime=runtime.describe(), threads=args.threads,

@@ -215,7 +215,7 @@ def stage_heldout(model, tokenizer, out: Path, keep: Path, sets: dict) -> dict:
     """tau(k=4) of every seed-0 claims draft on HELD_OUT of its own training conversations per
     category (held in), on as many training instructions it never saw (held out: the next shortest
     of each category, answered by the target the same way), and on Spec-Bench."""
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
 
     path = keep / "heldout.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -236,7 +236,7 @@ def stage_heldout(model, tokenizer, out: Path, keep: Path, sets: dict) -> dict:
         kept = keep / "cells" / f"{cell.name}.json"
         if name in done or not kept.is_file():
             continue
-        draft = Eagle3Draft.from_pretrained(cell, embed_tokens=embed)
+        draft = read_draft(cell, embed_tokens=embed)
         done[name] = {"layers": sets[name], "prompts": {part: len(records) for part, (records, _) in replays.items()},
                       "specbench_tau": json.loads(kept.read_text())["tau"]["4"]["pooled"]}
         for part, (records, cache) in replays.items():

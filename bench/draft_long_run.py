@@ -84,7 +84,7 @@ def main() -> None:
     import torch
 
     from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
     from elsi_fast.targets.loading import load_model
     from elsi_fast.training.feature_cache import build
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
@@ -139,7 +139,7 @@ def main() -> None:
         folder = cell / CHECKPOINTS_DIR / f"step-{step:06d}"
         if not folder.is_dir():
             continue
-        draft = Eagle3Draft.from_pretrained(folder, embed).eval()
+        draft = read_draft(folder, embed).eval()
         for name, rows in evaluation.items():
             if (cell.name, step, name) in done:
                 continue

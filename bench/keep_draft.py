@@ -37,7 +37,7 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     import torch
 
     from bench.draft_long_run import split
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft, write_draft
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.train import SUMMARY_FILE
 
@@ -49,8 +49,8 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     layers = list(summary["layers"])
     train = split(read_conversations(data / CONVERSATIONS_FILE), summary["seed"])[0]
     out = DRAFTS / model / f"{layer_set}-{'-'.join(map(str, layers))}"
-    draft = Eagle3Draft.from_pretrained(cell).to(torch.bfloat16)
-    draft.save_pretrained(out)
+    draft = read_draft(cell).to(torch.bfloat16)
+    write_draft(draft, out)
     size = sum(f.stat().st_size for f in out.iterdir())
     if size > MAX_BYTES:
         raise SystemExit(f"cell: the bf16 draft takes {size / 2**20:.1f} MB, over the 30 MB a kept draft may take")

@@ -39,7 +39,8 @@ from elsi_fast.analysis.prompts import encode_prompt, load_prompts
 from elsi_fast.analysis.report import LayerReport
 from elsi_fast.analysis.selection import ScreenedObjective, cka_penalized, select
 from elsi_fast.analysis.set_entropy import SetEntropySolver
-from elsi_fast.engines.serving import common_candidate_layers, serving_configs
+from elsi_fast.engines.layer_ids import common_candidate_layers
+from elsi_fast.engines.serving import serving_configs
 from elsi_fast.metrics import linear_token_entropy, normalize_tokens, spectrum_entropy
 from elsi_fast.targets.capture import capture_hidden_states, decoder_layers
 from elsi_fast.targets.loading import load_model

@@ -417,7 +417,8 @@ def verify_cost(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace) -> None:
     """The real engine on SmolLM2: capture ids, converter agreement, m=1 and m=3 drafts served."""
     from bench.common import cpu_model, record
-    from elsi_fast.engines.serving import llamacpp_layer_ids
+    from elsi_fast.draft import write_draft
+    from elsi_fast.engines.layer_ids import llamacpp_layer_ids
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -442,8 +443,8 @@ def check(args: argparse.Namespace) -> None:
     jobs = []
     for label, ids in DRAFTS:
         draft, name = smollm2_draft(ids), "m%d" % len(ids)
-        draft.save_pretrained(work / f"{name}-hf")
-        draft.save_pretrained(work / f"{name}.gguf", format="gguf", target=target)
+        write_draft(draft, work / f"{name}-hf")
+        write_draft(draft, work / f"{name}.gguf", format="gguf", target=target)
         jobs.append([str(work / f"{name}-hf"), "--target-model-dir", str(hf_target), "--outtype", "f32",
                      "--outfile", str(work / f"{name}.ref.gguf")])
     convert_hf(jobs, args.sdist)
@@ -493,9 +494,11 @@ def export_draft(draft, name: str, dtype: str, target: Path, work: Path) -> Path
     the file llama.cpp users run: an f32 draft reads as many bytes per step as a Q4 target."""
     import torch
 
+    from elsi_fast.draft import write_draft
+
     gguf = work / f"{name}-{dtype}.gguf"
     served = copy.deepcopy(draft).to({"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype])
-    served.save_pretrained(gguf, format="gguf", target=target)
+    write_draft(served, gguf, format="gguf", target=target)
     return gguf
 
 
@@ -505,7 +508,7 @@ def measure(args: argparse.Namespace) -> None:
     without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
     from bench.common import cpu_model, first_per_category, record
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
     from elsi_fast.training.feature_cache import open_cache
     from elsi_fast.training.regenerate import read_conversations
 
@@ -535,7 +538,7 @@ def measure(args: argparse.Namespace) -> None:
                                                             "mean_acceptance_length": _pooled(runs)})
         print(f"{name}: {speed:.1f} tokens/s ({speed / plain:.2f}x)", flush=True)
     for draft_dir in args.drafts:
-        draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
+        draft = read_draft(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
         gguf = export_draft(draft, Path(draft_dir).name, args.draft_dtype, target, work)
         replayed = replay_runs_per_k(draft, records, cache, args.ks, only=chosen)
         for k in args.ks:

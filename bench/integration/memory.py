@@ -89,7 +89,7 @@ def measure_vllm(args: argparse.Namespace, target: Path, prompts: list[list[int]
 def measure_llamacpp(args: argparse.Namespace, gguf_target: Path, texts: list[str], drafts: dict, width: int) -> dict:
     """{draft folder or None: its llama.cpp runs}: one llama-speculative-simple process per prompt,
     the peak over them."""
-    from elsi_fast.engines.serving import llamacpp_layer_ids
+    from elsi_fast.engines.layer_ids import llamacpp_layer_ids
 
     llamacpp.build()
     work = Path(args.out) / "llamacpp"

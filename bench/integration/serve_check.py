@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from bench.common import cpu_model, first_per_category, record
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
     from elsi_fast.targets import catalog
     from elsi_fast.targets.loading import dequantized_folder, load_model
     from elsi_fast.training.feature_cache import open_cache
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = dequantized_folder(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     embedding = load_model(str(folder), device="cpu", dtype="float32")[0].get_input_embeddings().weight.detach()
-    draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=embedding).eval()
+    draft = read_draft(args.draft, embed_tokens=embedding).eval()
     ours = pooled_tau(replay_runs_per_k(draft, records, open_cache(experiment / "cache-eval"), [args.k],
                                         only=chosen)[args.k])["all"]
 

@@ -59,8 +59,8 @@ def _one_line(exc: Exception) -> str:
 def load_draft(path: str, model, model_name: str) -> "Eagle3Draft":
     """The `Eagle3Draft` in folder `path`, fed `model`'s embedding; a ValueError naming --drafts when the
     folder is not an EAGLE3 draft or the draft was trained for another target."""
-    from elsi_fast.draft import Eagle3Draft
-    from elsi_fast.draft.checkpoint import read_config
+    from elsi_fast.draft import read_draft
+    from elsi_fast.draft.formats.folder import read_config
 
     try:
         config = read_config(path)
@@ -78,7 +78,7 @@ def load_draft(path: str, model, model_name: str) -> "Eagle3Draft":
         raise ValueError(f"--drafts: {path} reads target layers {config.aux_layer_ids}; {model_name} has "
                          f"h_0 .. h_{blocks} (eagle_aux_hidden_state_layer_ids in its config.json)")
     try:
-        return Eagle3Draft.from_pretrained(path, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
+        return read_draft(path, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     except (OSError, ValueError) as exc:
         raise ValueError(f"--drafts: {path}: its weights do not load ({_one_line(exc)})") from None
 

@@ -400,7 +400,7 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.decoding.speculative import speculative_generate
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
     from elsi_fast.targets.loading import load_model
 
     torch.set_num_threads(args.threads)
@@ -450,7 +450,7 @@ def measure(args, plan: dict, python: Path) -> list[dict]:
         tau = json.loads((run_dir / "eval.json").read_text())["tau"]["all"]
 
         # The same decoding, per prompt, for a round-by-round comparison with vLLM.
-        draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
+        draft = read_draft(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach()).eval()
         spec = [speculative_generate(model, draft, torch.tensor(ids), args.max_new_tokens, args.k) for ids in prompts]
         spec_by_draft[name] = (tau, spec)
         served, serve_seconds = vllm_run(draft_dir, run_dir)

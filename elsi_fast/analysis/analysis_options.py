@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..engines.serving import common_candidate_layers
+from ..engines.layer_ids import common_candidate_layers
 
 # Default token-entropy threshold (nats). Measured with `python -m bench.bench_analysis --part threshold`
 # (docs/real-models.md, "Token-entropy filter"): the threshold must lower the cross-prompt variance
@@ -35,7 +35,7 @@ class AnalyzeOptions:
     (None: all kept tokens); max_store_bytes: bound on the prompt-mode spill file (None: none), met by
     capping gram_tokens where all kept tokens would not fit (`analysis.fitting_gram_tokens`);
     gram_dtype: precision of the spilled prompt-mode vectors; candidates:
-    the layers the searches may pick (None: `serving.common_candidate_layers`); beta and
+    the layers the searches may pick (None: `layer_ids.common_candidate_layers`); beta and
     one_per_compartment: ELSI-C; novelty_half_width / novelty_threshold: compartments;
     max_exhaustive: the largest number of sets searched exhaustively; screen_z: width of the set
     searches' screen in standard errors (inf: every set evaluated on every prompt); save_every:

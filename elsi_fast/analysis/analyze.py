@@ -88,10 +88,10 @@ def analyze(
     Tokens kept per prompt: not padding, not position 0, not special (if `drop_special_tokens`),
     with next-token entropy >= `min_token_entropy` nats (0 disables the filter).
     m: the set sizes to select for (each at most the number of candidates).
-    candidates: layers ELSI / ELSI-C may pick; default `serving.common_candidate_layers(N)`,
+    candidates: layers ELSI / ELSI-C may pick; default `layer_ids.common_candidate_layers(N)`,
     h_1 .. h_{N-1}, the states every engine captures (h_0 is the embedding the draft already sees
     and output-of-layer engines cannot name it; SGLang records aux states at block inputs only,
-    so it never captures h_N). `serving.candidate_layers(engine, N)` gives one engine's.
+    so it never captures h_N). `layer_ids.candidate_layers(engine, N)` gives one engine's.
     Every setting's default is `analysis_options.AnalyzeOptions`'s.
     gram_tokens: None (prompt mode as docs/method.md section 3 defines it: all kept tokens) or a
     cap, evenly spaced tokens.

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..engines import serving
+from ..engines import layer_ids, serving
 from . import selection as sel
 from .analysis_options import DEFAULTS
 
@@ -81,7 +81,7 @@ class LayerReport:
 
     def _candidates(self) -> list[int]:
         candidates = self.options["candidates"]
-        return serving.common_candidate_layers(self.num_hidden_layers) if candidates is None else list(candidates)
+        return layer_ids.common_candidate_layers(self.num_hidden_layers) if candidates is None else list(candidates)
 
     def _objective(self, method: str) -> Callable:
         if self.set_entropy is None:
@@ -132,7 +132,7 @@ class LayerReport:
         if method == "eagle3":
             if m != 3:
                 raise ValueError(f"m: the eagle3 rule picks exactly 3 layers, got m={m}")
-            layers = sel.eagle3_layers(n)
+            layers = layer_ids.eagle3_default_layers(n)
         elif method == "last":
             if m != 1:
                 raise ValueError(f"m: the last-layer baseline is one layer, got m={m}")

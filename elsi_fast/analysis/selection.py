@@ -456,13 +456,7 @@ def _check_m(m: int, candidates: Sequence[int], compartment_of: dict[int, int] |
 # ---------------------------------------------------------------------------------------------
 # Baselines (input-to-layer indices of an N-block model)
 # ---------------------------------------------------------------------------------------------
-
-
-def eagle3_layers(num_blocks: int) -> list[int]:
-    """EAGLE3's fixed low/mid/high rule [2, N//2, N-3] (may repeat a layer when N < 6)."""
-    if num_blocks < 3:
-        raise ValueError(f"num_blocks: the EAGLE3 rule [2, N//2, N-3] needs N >= 3, got {num_blocks}")
-    return [2, num_blocks // 2, num_blocks - 3]
+# The eagle3 baseline, [2, N//2, N-3], is the engines' default: engines.layer_ids.eagle3_default_layers.
 
 
 def last_layer(num_blocks: int) -> list[int]:

@@ -91,7 +91,7 @@ def check_device(device: str | None) -> None:
 
 
 def check_set_sizes(m: list[int], blocks: int, source: str) -> None:
-    """The default candidates are h_1 .. h_{N-1} (elsi_fast.engines.serving.common_candidate_layers)."""
+    """The default candidates are h_1 .. h_{N-1} (elsi_fast.engines.layer_ids.common_candidate_layers)."""
     too_big = [size for size in m if size > blocks - 1]
     if too_big:
         raise UsageError(f"--m: each set size must be at most {blocks - 1}, the candidate layers h_1..h_{blocks - 1} "
@@ -159,7 +159,8 @@ def interrupted(args: argparse.Namespace) -> str:
 
 def handler(args: argparse.Namespace) -> int:
     from ..analysis.analyze import AnalyzeOptions, analyze
-    from ..engines.serving import ENGINES, serving_configs
+    from ..engines.layer_ids import ENGINES
+    from ..engines.serving import serving_configs
     from ..targets.capture import decoder_layers
     from ..targets.loading import load_model
 

@@ -279,8 +279,7 @@ def eval_interrupted(args: argparse.Namespace) -> str:
 def eval_handler(args: argparse.Namespace) -> int:
     from ..analysis.prompts import prompts_by_category
     from ..decoding.evaluation import pooled_tau, speculative_runs
-    from ..draft import Eagle3Draft
-
+    from ..draft.formats import read_draft
     from ..targets.target_runtime import accelerate, describe_target
 
     if args.replay is not None:
@@ -293,8 +292,8 @@ def eval_handler(args: argparse.Namespace) -> int:
             accelerate(model, args.target_runtime)
         except ValueError as exc:
             raise UsageError(f"--target-runtime: {exc}") from None
-    draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
-                                        device=model.device).eval()
+    draft = read_draft(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
+                       device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
     progress_file = _eval_progress_file(args) if os.access(args.draft, os.W_OK) else None
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,

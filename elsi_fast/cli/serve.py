@@ -1,12 +1,12 @@
 """`elsi-fast serve`: one command from a draft folder to a running llama.cpp or vLLM server.
 
-llama.cpp: the draft is written as a GGUF beside its folder (`Eagle3Draft.save_pretrained(...,
+llama.cpp: the draft is written as a GGUF beside its folder (`write_draft(draft, ...,
 format="gguf", target=...)`: m=1 / m=2 as the exact three-id equivalent) and `llama-server` starts
 with `--spec-type draft-eagle3`. vLLM: the folder is served as it is (`vllm serve TARGET
 --speculative-config {"method": "eagle3", ...}`); a GGUF target is served from its dequantized
 float32 folder (`elsi_fast.targets.loading.dequantized_folder`), the model elsi-fast measures tau on. Both
 check what the engine would otherwise get silently wrong: layer ids it cannot capture
-(`elsi_fast.engines.serving.candidate_layers`) and a vocabulary that differs from the target's. The server
+(`elsi_fast.engines.layer_ids.candidate_layers`) and a vocabulary that differs from the target's. The server
 replaces this process (`exec`), so Ctrl-C and signals reach it.
 """
 
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check(args: argparse.Namespace) -> None:
     """Everything that can be checked without torch: the draft's config, the target, the binary."""
     from ..draft.config import Eagle3Config
-    from ..engines.serving import candidate_layers
+    from ..engines.layer_ids import candidate_layers
     from ..targets.loading import describe_source
 
     config_path = Path(args.draft) / "config.json"
@@ -131,12 +131,12 @@ def _export_gguf(args: argparse.Namespace) -> Path:
     to a temporary name first so an interrupted export never leaves a file llama.cpp would load."""
     import torch
 
-    from ..draft import Eagle3Draft
+    from ..draft.formats import read_draft, write_draft
 
     out = Path(args.gguf_out) if args.gguf_out else default_gguf_path(args.draft, args.draft_dtype)
-    draft = Eagle3Draft.from_pretrained(args.draft).to(getattr(torch, GGUF_DTYPES[args.draft_dtype]))
+    draft = read_draft(args.draft).to(getattr(torch, GGUF_DTYPES[args.draft_dtype]))
     partial = out.with_name(out.name + ".partial")
-    draft.save_pretrained(partial, format="gguf", target=args.target_source.path)
+    write_draft(draft, partial, format="gguf", target=args.target_source.path)
     os.replace(partial, out)
     return out
 

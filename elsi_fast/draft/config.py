@@ -1,6 +1,7 @@
 """`Eagle3Config`: the shape and architecture variant of an EAGLE3 draft head, and its `config.json`.
 
-Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`:
+The config.json of the two folder formats (`elsi_fast.draft.formats`), told apart on read by
+`speculators_model_type`:
 
 * "eagle3": the config SpecForge writes and vLLM / SGLang read (a Llama config with
   `architectures = ["LlamaForCausalLMEagle3"]`, `num_hidden_layers = 1`, `draft_vocab_size`,
@@ -10,7 +11,7 @@ Two checkpoint formats (`FORMATS`), detected on read by `speculators_model_type`
   `num_aux_hidden_states` (the fc width of vLLM and SGLang), and `eagle_config` =
   {`use_aux_hidden_state`, `eagle_aux_hidden_state_layer_ids` (output-of-layer, id - 1: SGLang's
   and SpecForge's capture ids)}. `eagle_config` never carries `layer_ids`, the key vLLM falls
-  back to for capture ids. Which engine reads which field is listed in `elsi_fast.engines.serving`.
+  back to for capture ids. Which engine reads which field is listed in `elsi_fast.engines.layer_ids`.
 * "speculators": the config `speculators.SpeculatorModel.from_pretrained` and vLLM's speculators
   path load (`speculators_model_type = "eagle3"`, the layer fields nested in
   `transformer_layer_config`, the verifier named in `speculators_config`).
@@ -31,12 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.serving import from_output_of_layer, to_output_of_layer
+from ..engines.layer_ids import from_output_of_layer, to_output_of_layer
 
 # Upstream drafts hard-code three aux layers; a config without layer ids means that default.
 DEFAULT_NUM_AUX_LAYERS = 3
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-FORMATS = ("eagle3", "speculators")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 # speculators' `transformer_layer_config.model_type` -> whether the layer has q/k norms.
 _SPECULATORS_LAYER_TYPES = {"llama": False, "qwen3": True}

@@ -20,14 +20,13 @@ drafts with a variant run only here (`Eagle3Config.native_unsupported_reason`).
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import FORMATS, Eagle3Config
+from .config import Eagle3Config
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -508,53 +507,3 @@ class Eagle3Draft(nn.Module):
         if cache.key.dtype != hidden.dtype or cache.key.device != hidden.device:
             raise ValueError(f"cache is {cache.key.dtype} on {cache.key.device} but hidden is {hidden.dtype} "
                              f"on {hidden.device}")
-
-    # ----------------------------------------------------------------------------- checkpoints
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, embed_tokens: Tensor | nn.Embedding | None = None,
-                        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                        norm_output_meaning: str | None = None) -> "Eagle3Draft":
-        """Load a checkpoint directory in either format ("eagle3" or "speculators", detected from
-        config.json; config.json + model.safetensors, sharded safetensors, or pytorch_model.bin read
-        with weights_only=True). Weights keep the checkpoint dtype unless `dtype` is given. The target
-        embedding comes from `embed_tokens`, else from the checkpoint if it has one.
-        `norm_output_meaning` ("vllm", "sglang" or "specforge") is needed only for an eagle3 config
-        with a `norm_output` field, whose meaning differs between engines."""
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(cls, path, embed_tokens=embed_tokens, dtype=dtype, device=device,
-                               norm_output_meaning=norm_output_meaning)
-
-    def save_pretrained(self, path: str | os.PathLike, format: str = "eagle3", *, target_config=None,
-                        include_embedding: bool | None = None, speculative_tokens: int = 3,
-                        target: str | os.PathLike | None = None) -> None:
-        """Write the draft in `format`.
-
-        format="eagle3": config.json and model.safetensors in directory `path`, what vLLM, SGLang and
-        SpecForge read (layer ids in both conventions and `num_aux_hidden_states`);
-        format="speculators": the same files as `speculators.SpeculatorModel.from_pretrained` and vLLM's
-        speculators path read; it needs `target_config` (the target's transformers config) for its
-        verifier block. `include_embedding` writes the target's embedding too; by default for
-        "speculators" only (speculators 0.9 does not reliably fill it from the verifier).
-        `speculative_tokens` is the proposal length a speculators config advertises.
-        format="gguf": one file `path` that llama.cpp serves with `--spec-type draft-eagle3 -md path`;
-        `target` is the target's .gguf file (its tokenizer is copied, its layer count checked). llama.cpp
-        takes exactly 3 layer ids: m=1 and m=2 drafts are written as their exact 3-id equivalent
-        (`elsi_fast.draft.gguf_export`).
-        """
-        if format not in (*FORMATS, "gguf"):
-            raise ValueError(f"format must be one of {(*FORMATS, 'gguf')}, got {format!r}")
-        if format == "gguf":
-            from .gguf_export import write_gguf
-
-            if target_config is not None or include_embedding:
-                raise ValueError("target_config / include_embedding: format='gguf' reads the target from "
-                                 "target=<the target's .gguf file> and never stores the embedding")
-            write_gguf(self, path, target)
-            return
-        if target is not None:
-            raise ValueError(f"target: only format='gguf' takes a target file; format={format!r} takes target_config")
-        from .checkpoint import save_checkpoint
-
-        save_checkpoint(self, path, format, target_config=target_config, include_embedding=include_embedding,
-                        speculative_tokens=speculative_tokens)

@@ -7,7 +7,7 @@ target's next-token logits. The draft is trained with the training-time test of 
 token further; its loss is the cross-entropy between the draft distribution and the target's
 next-token distribution restricted to the draft vocabulary (renormalized), weighted 0.8^i.
 
-Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`save_pretrained`), and
+Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`draft.formats.write_draft`), and
 ``out_dir/training_state.pt`` the draft weights, optimizer, schedule, data-sampler state and step,
 written atomically, so an interrupted run resumes where it stopped and ends with the same weights
 as an uninterrupted one.
@@ -29,6 +29,8 @@ from .._infra.native_names import TRAINING_PRECISIONS
 from .._infra.state_files import load_state, save_state
 from ..analysis.pass_state import rank_and_world
 from ..draft import Eagle3Config, Eagle3Draft
+from ..draft.formats import write_draft
+from ..engines.layer_ids import check_layer_set
 from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .feature_cache import samples_fingerprint
 from .training_data import Sample, pad_samples, token_stream
@@ -115,18 +117,6 @@ def draft_config_for(target, layers: Sequence[int], draft_vocab_size: int, **ove
         fields["head_dim"] = None  # re-derived from hidden_size and the new head count
     fields.update(overrides)
     return Eagle3Config(**fields)
-
-
-def _check_layers(target, layers: Sequence[int]) -> list[int]:
-    num_blocks = len(decoder_layers(target))
-    layers = [int(layer) for layer in layers]
-    if not layers:
-        raise ValueError("layers: expected at least one target layer")
-    if sorted(set(layers)) != layers:
-        raise ValueError(f"layers: must be strictly increasing (engines concatenate in layer order), got {layers}")
-    if layers[0] < 0 or layers[-1] > num_blocks:
-        raise ValueError(f"layers: ids must be in 0..{num_blocks} (input-to-layer, N={num_blocks}), got {layers}")
-    return layers
 
 
 class _WindowBatches:
@@ -373,7 +363,7 @@ def train_draft(
         raise ValueError(f"batch_size: the global batch of {batch_size} does not split over {world} processes")
     if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= steps for k in keep_steps):
         raise ValueError(f"keep_steps: expected steps in 1..{steps}, got {list(keep_steps)}")
-    layers = _check_layers(target, layers)
+    layers = check_layer_set(layers, len(decoder_layers(target)))
     vocab_size = target.config.vocab_size
     draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
     out = Path(out_dir)
@@ -419,9 +409,9 @@ def train_draft(
             save_state({"args": run_args, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                         "schedule": schedule.state_dict(), "sampler": sampler.get_state(),
                         "step": step, "history": history}, state_path)
-            draft.save_pretrained(out)
+            write_draft(draft, out)
             if step in keep_steps:
-                draft.save_pretrained(out / CHECKPOINTS_DIR / f"step-{step:06d}")
+                write_draft(draft, out / CHECKPOINTS_DIR / f"step-{step:06d}")
 
     from tqdm.auto import tqdm
 

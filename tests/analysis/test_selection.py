@@ -122,14 +122,10 @@ def test_bad_m():
 
 
 def test_baselines():
-    assert sel.eagle3_layers(36) == [2, 18, 33]
-    assert sel.eagle3_layers(32) == [2, 16, 29]
     assert sel.last_layer(36) == [36]
     assert sel.uniform_layers(36, 3) == [9, 18, 27]
     assert sel.uniform_layers(32, 1) == [16]
     assert sel.uniform_layers(2, 2) == [1, 2]  # neighbours that round together are pushed apart
-    with pytest.raises(ValueError, match="num_blocks"):
-        sel.eagle3_layers(2)
     with pytest.raises(ValueError, match="m"):
         sel.uniform_layers(4, 5)
 

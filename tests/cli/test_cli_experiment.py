@@ -66,12 +66,12 @@ def test_replayed_tau_equals_live_tau_without_a_target_forward(setup, monkeypatc
     first = json.loads(out.read_text())["tau"]
     from elsi_fast.decoding.evaluation import pooled_tau
     from elsi_fast.decoding.speculative import speculative_generate
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
     from elsi_fast.targets.loading import load_model
     from elsi_fast.training.regenerate import read_conversations
 
     model, _ = load_model(str(target), device="cpu", dtype="float32", progress=False)
-    draft = Eagle3Draft.from_pretrained(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach())
+    draft = read_draft(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach())
     live = {}
     for record in read_conversations(answers / "conversations.jsonl"):
         eos = record["response_ids"][-1] if record["stop"] == "eos" else None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elsi_fast.cli import EXIT_USAGE, main
-from elsi_fast.draft import Eagle3Config, Eagle3Draft
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, write_draft
 
 from draft.random_draft import randomize_draft_
 
@@ -51,7 +51,7 @@ def folder_target(path, vocab=VOCAB):
 def draft_folder(path, ids, vocab=VOCAB):
     config = Eagle3Config(hidden_size=D, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
                           vocab_size=vocab, draft_vocab_size=50, target_hidden_size=D, aux_layer_ids=ids)
-    randomize_draft_(Eagle3Draft(config), torch.Generator().manual_seed(0)).save_pretrained(path)
+    write_draft(randomize_draft_(Eagle3Draft(config), torch.Generator().manual_seed(0)), path)
     return path
 
 

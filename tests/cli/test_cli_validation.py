@@ -179,7 +179,7 @@ def test_interrupt_saves_state_and_resume_continues(tiny, tmp_path, capsys, monk
         assert a["entropy_prompt_mean"] == pytest.approx(b["entropy_prompt_mean"], rel=1e-9)
 
     # serving_configs.json: every method and m the report selected, for every engine.
-    from elsi_fast.engines.serving import ENGINES
+    from elsi_fast.engines.layer_ids import ENGINES
 
     configs = json.loads((fresh_out / "serving_configs.json").read_text())
     expected = {f"{method}/m={m}/{engine}" for method, by_m in fresh["selections"].items() for m in by_m

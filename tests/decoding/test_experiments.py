@@ -43,10 +43,10 @@ def test_a_cell_trains_once_and_replays_every_k(data, tmp_path):
     cell = Cell("elsi-m2", [2, 4], 0, RECIPE)
     result, fresh = run_cell(cell, shared, tmp_path / "cells", tmp_path / "work", ks=(1, 4))
     assert fresh and (tmp_path / "work" / cell.stem / "config.json").is_file()
-    from elsi_fast.draft import Eagle3Draft
+    from elsi_fast.draft import read_draft
 
-    draft = Eagle3Draft.from_pretrained(tmp_path / "work" / cell.stem,
-                                        embed_tokens=TARGET.get_input_embeddings().weight.detach())
+    draft = read_draft(tmp_path / "work" / cell.stem,
+                       embed_tokens=TARGET.get_input_embeddings().weight.detach())
     for k in (1, 4):  # the kept tau is the replay of the kept draft, per category and per prompt
         runs = evaluation.replay_runs(draft, shared.eval_records, shared.eval_cache, k=k, draft_backend="torch")
         assert result["tau"][str(k)]["pooled"] == pytest.approx(evaluation.pooled_tau(runs))

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from elsi_fast.decoding.speculative import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
-from elsi_fast.draft import Eagle3Config, Eagle3Draft, native
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, native, read_draft, write_draft
 from elsi_fast.draft.native import DISABLE_NATIVE_ENV
 
 requires_native = pytest.mark.skipif(not native.available("cpu"),
@@ -384,7 +384,7 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     draft = Eagle3Draft(draft_config_for(model, [2], 64), model.get_input_embeddings().weight.detach())
     for param in draft.parameters():
         torch.nn.init.normal_(param, std=0.3)
-    draft.save_pretrained(tmp_path / "draft")
+    write_draft(draft, tmp_path / "draft")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"category": cat, "turns": [text]}) for cat, text in
                                  [("qa", "the cat went to"), ("qa", "the king went"), ("rag", "on day 3 the")]))
@@ -395,7 +395,7 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["draft_backend"].startswith("native cpu") and report["draft_backend"].endswith("int8")
     # The same runs through the Python API, to count the draft positions independently.
-    draft = Eagle3Draft.from_pretrained(tmp_path / "draft", embed_tokens=model.get_input_embeddings().weight.detach())
+    draft = read_draft(tmp_path / "draft", embed_tokens=model.get_input_embeddings().weight.detach())
     grouped = prompts_by_category(load_prompts(str(prompts)), tokenizer, None, 256)
     runs = speculative_runs(model, draft, grouped, k=3, max_new_tokens=12, draft_dtype="int8")
     expected = Counter()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from elsi_fast.draft import Eagle3Config, Eagle3Draft
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, read_draft, write_draft
 
 
 def eagle3_tensor_shapes(d, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_d, m):
@@ -97,8 +97,8 @@ def run(draft, seed=1):
 @pytest.mark.parametrize("m", [1, 3])
 def test_save_load_round_trip_is_bit_exact(tmp_path, m):
     draft, embed = small_draft(m)
-    draft.save_pretrained(tmp_path)
-    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    write_draft(draft, tmp_path)
+    loaded = read_draft(tmp_path, embed_tokens=embed)
     assert loaded.config == draft.config
     state, loaded_state = draft.state_dict(), loaded.state_dict()
     assert state.keys() == loaded_state.keys()
@@ -113,7 +113,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, m):
 
 def test_config_json_has_both_layer_id_conventions(tmp_path):
     draft, _ = small_draft(m=3)  # aux ids (2, 5, 8), input-to-layer
-    draft.save_pretrained(tmp_path)
+    write_draft(draft, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 5, 8]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
@@ -141,7 +141,7 @@ def test_public_llama31_8b_style_checkpoint_loads(tmp_path):
     tensors = random_checkpoint_tensors(shapes, LLAMA31_8B_SMALL["vocab"], LLAMA31_8B_SMALL["draft_vocab"])
     write_checkpoint(tmp_path, public_llama_config(**LLAMA31_8B_SMALL), tensors)
     embed = torch.randn(LLAMA31_8B_SMALL["vocab"], LLAMA31_8B_SMALL["d"])
-    draft = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    draft = read_draft(tmp_path, embed_tokens=embed)
     assert draft.config.num_aux_layers == 3 and draft.config.aux_layer_ids is None
     assert draft.config.rope_theta == 500000.0
     state = draft.state_dict()
@@ -157,7 +157,7 @@ def test_public_llama31_8b_style_checkpoint_loads(tmp_path):
 
 def test_speculators_names_and_config_load(tmp_path):
     draft, embed = small_draft(m=2)
-    draft.save_pretrained(tmp_path / "eagle3")
+    write_draft(draft, tmp_path / "eagle3")
     tensors = load_file(tmp_path / "eagle3" / "model.safetensors")
     renamed = {name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()}
     renamed["embed_tokens.weight"] = embed  # speculators checkpoints may carry the embedding
@@ -171,14 +171,14 @@ def test_speculators_names_and_config_load(tmp_path):
         "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": flat["eagle_aux_hidden_state_layer_ids"],
     }
     write_checkpoint(tmp_path / "spec", speculators_config, renamed)
-    loaded = Eagle3Draft.from_pretrained(tmp_path / "spec")  # embedding taken from the checkpoint
+    loaded = read_draft(tmp_path / "spec")  # embedding taken from the checkpoint
     assert loaded.config == draft.config
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
     # speculators' default training flag is read as the variant it is, never as the plain layer
     speculators_config["norm_before_residual"] = True
     write_checkpoint(tmp_path / "spec", speculators_config, renamed)
-    variant = Eagle3Draft.from_pretrained(tmp_path / "spec")
+    variant = read_draft(tmp_path / "spec")
     assert variant.config.norm_before_residual
     assert not torch.allclose(run(variant)[0], run(draft)[0])
 
@@ -189,22 +189,22 @@ class NotATensor:
 
 def test_bin_checkpoint_loads_only_plain_tensors(tmp_path):
     draft, embed = small_draft(m=1)
-    draft.save_pretrained(tmp_path / "st")
+    write_draft(draft, tmp_path / "st")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
     torch.save(dict(draft.state_dict()), tmp_path / "bin" / "pytorch_model.bin")
-    loaded = Eagle3Draft.from_pretrained(tmp_path / "bin", embed_tokens=embed, dtype=torch.bfloat16)
+    loaded = read_draft(tmp_path / "bin", embed_tokens=embed, dtype=torch.bfloat16)
     assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.t2d.dtype == torch.bool
     assert torch.equal(loaded.fc.weight, draft.fc.weight.to(torch.bfloat16))
     torch.save({**draft.state_dict(), "extra": NotATensor()}, tmp_path / "bin" / "pytorch_model.bin")
     with pytest.raises(ValueError, match="refusing to unpickle"):
-        Eagle3Draft.from_pretrained(tmp_path / "bin", embed_tokens=embed)
+        read_draft(tmp_path / "bin", embed_tokens=embed)
 
 
 @pytest.fixture
 def saved(tmp_path):
     draft, embed = small_draft(m=2)
-    draft.save_pretrained(tmp_path)
+    write_draft(draft, tmp_path)
     return tmp_path, load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
 
 
@@ -218,7 +218,7 @@ def test_missing_tensor_is_named_with_its_shape(saved):
     tensors = dict(saved[1])
     del tensors["midlayer.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match=r"missing midlayer\.self_attn\.k_proj\.weight \[8, 32\]"):
-        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+        read_draft(rewrite(saved, tensors))
 
 
 def test_misshaped_and_unexpected_tensors_are_named(saved):
@@ -226,7 +226,7 @@ def test_misshaped_and_unexpected_tensors_are_named(saved):
     tensors["midlayer.mlp.up_proj.weight"] = torch.zeros(24, 15)
     tensors["midlayer.rotary.bias"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"up_proj\.weight has shape \[24, 15\], expected \[24, 16\]") as err:
-        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+        read_draft(rewrite(saved, tensors))
     assert "unexpected midlayer.rotary.bias [3]" in str(err.value)
 
 
@@ -236,42 +236,42 @@ def test_fc_width_must_be_m_times_target_hidden(saved):
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}
     config["num_aux_hidden_states"] = 3
     with pytest.raises(ValueError, match=r"input width 24 .* 3 \* 12 = 36 \(the weights fit m = 2"):
-        Eagle3Draft.from_pretrained(rewrite(saved, config=config))
+        read_draft(rewrite(saved, config=config))
 
 
 def test_vocab_maps_are_checked(saved):
     tensors = dict(saved[1])
     del tensors["d2t"]
     with pytest.raises(ValueError, match="lacks d2t"):
-        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+        read_draft(rewrite(saved, tensors))
     tensors = dict(saved[1])
     tensors["t2d"] = ~tensors["t2d"]
     with pytest.raises(ValueError, match="t2d does not mark"):
-        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+        read_draft(rewrite(saved, tensors))
     tensors = dict(saved[1])
     tensors["d2t"] = tensors["d2t"] + 1000
     with pytest.raises(ValueError, match="outside the target vocab"):
-        Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+        read_draft(rewrite(saved, tensors))
     tensors = dict(saved[1])
     del tensors["t2d"]  # implied by d2t
-    loaded = Eagle3Draft.from_pretrained(rewrite(saved, tensors))
+    loaded = read_draft(rewrite(saved, tensors))
     assert torch.equal(loaded.t2d, saved[1]["t2d"])
 
 
 def test_missing_files_and_embedding(tmp_path, saved):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Eagle3Draft.from_pretrained(tmp_path / "nowhere")
+        read_draft(tmp_path / "nowhere")
     (saved[0] / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        Eagle3Draft.from_pretrained(saved[0])
-    loaded = Eagle3Draft.from_pretrained(rewrite(saved))
+        read_draft(saved[0])
+    loaded = read_draft(rewrite(saved))
     with pytest.raises(ValueError, match="no token embedding"):
         run(loaded)
 
 
 def test_sharded_safetensors_load(tmp_path):
     draft, embed = small_draft(m=2)
-    draft.save_pretrained(tmp_path / "one")
+    write_draft(draft, tmp_path / "one")
     tensors = load_file(tmp_path / "one" / "model.safetensors")
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
@@ -281,7 +281,7 @@ def test_sharded_safetensors_load(tmp_path):
         save_file({n: tensors[n] for n in shard_names}, tmp_path / "two" / file)
     index = {"weight_map": {n: file for file, shard_names in shards.items() for n in shard_names}}
     (tmp_path / "two" / "model.safetensors.index.json").write_text(json.dumps(index))
-    loaded = Eagle3Draft.from_pretrained(tmp_path / "two", embed_tokens=embed)
+    loaded = read_draft(tmp_path / "two", embed_tokens=embed)
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
 
@@ -333,7 +333,7 @@ def square_draft(m=3, seed=0, **variants):
 @pytest.mark.parametrize("m", [1, 3])
 def test_eagle3_config_gives_every_engine_fallback_the_same_m(tmp_path, m):
     draft, _ = small_draft(m)
-    draft.save_pretrained(tmp_path)
+    write_draft(draft, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     ids = list(draft.config.aux_layer_ids)
     # vLLM 0.32 fc width: num_aux_hidden_states, else len(eagle_config ids), else 3
@@ -352,7 +352,7 @@ def test_eagle3_config_gives_every_engine_fallback_the_same_m(tmp_path, m):
 def test_speculators_format_round_trip_and_layout(tmp_path, m):
     draft, embed = square_draft(m)
     target = tiny_target_config()
-    draft.save_pretrained(tmp_path, format="speculators", target_config=target)
+    write_draft(draft, tmp_path, format="speculators", target_config=target)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
     assert config["eagle_aux_hidden_state_layer_ids"] == list(draft.config.aux_layer_ids)
@@ -372,7 +372,7 @@ def test_speculators_format_round_trip_and_layout(tmp_path, m):
     names = set(load_file(tmp_path / "model.safetensors"))
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
     assert {"d2t", "t2d"} <= names
-    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    loaded = read_draft(tmp_path, embed_tokens=embed)
     assert loaded.config == draft.config
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
@@ -383,30 +383,30 @@ def test_speculators_format_carries_the_embedding_by_default(tmp_path):
     keep uninitialized memory instead; so the speculators format writes it unless told not to."""
     draft, embed = square_draft(m=1)
     target = tiny_target_config()
-    draft.save_pretrained(tmp_path / "spec", format="speculators", target_config=target)
+    write_draft(draft, tmp_path / "spec", format="speculators", target_config=target)
     assert torch.equal(load_file(tmp_path / "spec" / "model.safetensors")["embed_tokens.weight"], embed)
-    loaded = Eagle3Draft.from_pretrained(tmp_path / "spec")  # no embed_tokens argument needed
+    loaded = read_draft(tmp_path / "spec")  # no embed_tokens argument needed
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
-    draft.save_pretrained(tmp_path / "bare", format="speculators", target_config=target, include_embedding=False)
-    draft.save_pretrained(tmp_path / "eagle3")
+    write_draft(draft, tmp_path / "bare", format="speculators", target_config=target, include_embedding=False)
+    write_draft(draft, tmp_path / "eagle3")
     for name in ("bare", "eagle3"):
         assert "embed_tokens.weight" not in load_file(tmp_path / name / "model.safetensors")
     bare = Eagle3Draft(draft.config)
     with pytest.raises(ValueError, match="has none attached.*include_embedding=False"):
-        bare.save_pretrained(tmp_path / "x", format="speculators", target_config=target)
+        write_draft(bare, tmp_path / "x", format="speculators", target_config=target)
     with pytest.raises(ValueError, match="has none attached"):
-        bare.save_pretrained(tmp_path / "x", include_embedding=True)
+        write_draft(bare, tmp_path / "x", include_embedding=True)
 
 
 def test_full_vocab_speculators_checkpoint_has_no_vocab_maps(tmp_path):
     cfg = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                        vocab_size=50, aux_layer_ids=(3,))
-    Eagle3Draft(cfg).save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(),
+    write_draft(Eagle3Draft(cfg), tmp_path, format="speculators", target_config=tiny_target_config(),
                                      include_embedding=False)
     # speculators 0.9 has no d2t / t2d buffers when the draft vocab is the target's
     assert not {"d2t", "t2d"} & set(load_file(tmp_path / "model.safetensors"))
-    assert Eagle3Draft.from_pretrained(tmp_path).config == cfg
+    assert read_draft(tmp_path).config == cfg
 
 
 @pytest.mark.parametrize("variants", [
@@ -415,7 +415,7 @@ def test_full_vocab_speculators_checkpoint_has_no_vocab_maps(tmp_path):
 ])
 def test_speculators_format_round_trips_variants(tmp_path, variants):
     draft, embed = square_draft(m=3, **variants)
-    draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config())
+    write_draft(draft, tmp_path, format="speculators", target_config=tiny_target_config())
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["norm_output"] is variants.get("norm_feedback", False)
     if "sliding_window" in variants:
@@ -424,7 +424,7 @@ def test_speculators_format_round_trips_variants(tmp_path, variants):
     if variants.get("qk_norm"):
         assert config["transformer_layer_config"]["model_type"] == "qwen3"
         assert "layers.0.self_attn.q_norm.weight" in load_file(tmp_path / "model.safetensors")
-    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=embed)
+    loaded = read_draft(tmp_path, embed_tokens=embed)
     assert loaded.config == draft.config
     for a, b in zip(run(draft), run(loaded)):
         assert torch.equal(a, b)
@@ -433,20 +433,20 @@ def test_speculators_format_round_trips_variants(tmp_path, variants):
 def test_format_errors_name_the_problem(tmp_path):
     draft, _ = square_draft(m=3)
     with pytest.raises(ValueError, match="format must be one of"):
-        draft.save_pretrained(tmp_path, format="onnx")
+        write_draft(draft, tmp_path, format="onnx")
     with pytest.raises(ValueError, match="needs target_config"):
-        draft.save_pretrained(tmp_path, format="speculators")
+        write_draft(draft, tmp_path, format="speculators")
     with pytest.raises(ValueError, match=r"exceed the target's N=5 blocks"):
-        draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(num_layers=5))
+        write_draft(draft, tmp_path, format="speculators", target_config=tiny_target_config(num_layers=5))
     with pytest.raises(ValueError, match="target has hidden_size=32"):
-        draft.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(hidden=32))
+        write_draft(draft, tmp_path, format="speculators", target_config=tiny_target_config(hidden=32))
     narrow, _ = small_draft(m=1)  # target_hidden_size 12 != hidden_size 16
     with pytest.raises(ValueError, match="target_hidden_size == hidden_size"):
-        narrow.save_pretrained(tmp_path, format="speculators", target_config=tiny_target_config(hidden=12))
+        write_draft(narrow, tmp_path, format="speculators", target_config=tiny_target_config(hidden=12))
     with pytest.raises(ValueError, match=r"format='eagle3' cannot state the variant \['norm_feedback'\]"):
-        square_draft(m=1, norm_feedback=True)[0].save_pretrained(tmp_path)
+        write_draft(square_draft(m=1, norm_feedback=True)[0], tmp_path)
     with pytest.raises(ValueError, match="final_norm=False"):
-        square_draft(m=1, final_norm=False)[0].save_pretrained(tmp_path, format="speculators",
+        write_draft(square_draft(m=1, final_norm=False)[0], tmp_path, format="speculators",
                                                                target_config=tiny_target_config())
 
 

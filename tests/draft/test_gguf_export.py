@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from elsi_fast.draft import Eagle3Config, Eagle3Draft
-from elsi_fast.engines.serving import llamacpp_layer_ids
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, write_draft
+from elsi_fast.engines.layer_ids import llamacpp_layer_ids
 
 from .random_draft import randomize_draft_
 
@@ -102,8 +102,8 @@ def exported(tmp_path_factory, target, llamacpp):
     out, jobs = {}, []
     for name, (ids, seed, dtype, variants, outtype) in DRAFTS.items():
         draft = make_draft(target["vocab"], ids, seed, dtype, **variants)
-        draft.save_pretrained(root / name)
-        draft.save_pretrained(root / f"{name}.gguf", format="gguf", target=target["gguf"])
+        write_draft(draft, root / name)
+        write_draft(draft, root / f"{name}.gguf", format="gguf", target=target["gguf"])
         jobs.append([str(root / name), "--target-model-dir", str(target["hf"]), "--outtype", outtype,
                      "--outfile", str(root / f"{name}.ref.gguf")])
         out[name] = {"draft": draft, "ours": root / f"{name}.gguf", "ref": root / f"{name}.ref.gguf"}
@@ -258,31 +258,31 @@ def fake_target(path, arch="llama", blocks=N_BLOCKS, hidden=D, vocab=289):
 def test_bad_drafts_are_refused(tmp_path, ids, variants, match):
     target = fake_target(tmp_path / "target.gguf")
     with pytest.raises(ValueError, match=match):
-        make_draft(289, ids, 0, **variants).save_pretrained(tmp_path / "d.gguf", format="gguf", target=target)
+        write_draft(make_draft(289, ids, 0, **variants), tmp_path / "d.gguf", format="gguf", target=target)
     assert not (tmp_path / "d.gguf").exists()
 
 
 def test_bad_targets_are_refused(tmp_path):
     draft = make_draft(289, (1, 2, 3), 0)
     with pytest.raises(ValueError, match=r"target: format='gguf' needs target="):
-        draft.save_pretrained(tmp_path / "d.gguf", format="gguf")
+        write_draft(draft, tmp_path / "d.gguf", format="gguf")
     with pytest.raises(ValueError, match=r"target: the draft's vocab_size=289 differs from the target's 300"):
-        draft.save_pretrained(tmp_path / "d.gguf", format="gguf", target=fake_target(tmp_path / "t300.gguf", vocab=300))
+        write_draft(draft, tmp_path / "d.gguf", format="gguf", target=fake_target(tmp_path / "t300.gguf", vocab=300))
     with pytest.raises(ValueError, match=r"target_hidden_size=32 differs from the target's hidden size 64"):
-        draft.save_pretrained(tmp_path / "d.gguf", format="gguf", target=fake_target(tmp_path / "t64.gguf", hidden=64))
+        write_draft(draft, tmp_path / "d.gguf", format="gguf", target=fake_target(tmp_path / "t64.gguf", hidden=64))
     (tmp_path / "not.gguf").write_text(json.dumps({}))
     with pytest.raises(ValueError, match=r"target: .*not a readable GGUF file"):
-        draft.save_pretrained(tmp_path / "d.gguf", format="gguf", target=tmp_path / "not.gguf")
+        write_draft(draft, tmp_path / "d.gguf", format="gguf", target=tmp_path / "not.gguf")
     with pytest.raises(ValueError, match=r"target: .*is not a file"):
-        draft.save_pretrained(tmp_path / "d.gguf", format="gguf", target=tmp_path / "missing.gguf")
-    with pytest.raises(ValueError, match=r"target: only format='gguf'"):
-        draft.save_pretrained(tmp_path / "dir", target=tmp_path / "t300.gguf")
+        write_draft(draft, tmp_path / "d.gguf", format="gguf", target=tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match=r"target: only format 'gguf' takes it"):
+        write_draft(draft, tmp_path / "dir", target=tmp_path / "t300.gguf")
 
 
 def test_last_block_output_is_allowed_where_llamacpp_delivers_it(tmp_path):
     """gpt-oss's llama.cpp graph publishes the last block's pre-norm output: id N is exported there."""
     target = fake_target(tmp_path / "target.gguf", arch="gpt-oss")
-    make_draft(289, (N_BLOCKS,), 0).save_pretrained(tmp_path / "d.gguf", format="gguf", target=target)
+    write_draft(make_draft(289, (N_BLOCKS,), 0), tmp_path / "d.gguf", format="gguf", target=target)
     fields, _ = read_gguf(tmp_path / "d.gguf")
     assert int_array(fields["eagle3.target_layers"]) == [N_BLOCKS] * 3
     assert fields["tokenizer.ggml.tokens"][1][:2] == [b"t0", b"t1"]

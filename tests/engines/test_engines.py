@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from elsi_fast.draft import Eagle3Config, Eagle3Draft
+from elsi_fast.draft import Eagle3Config, Eagle3Draft, read_draft, write_draft
 
 from draft.random_draft import randomize_draft_  # tests/ is on sys.path (rootdir import)
 
@@ -101,7 +101,7 @@ def engine_results(tmp_path_factory):
     for seed, (name, (m, variants)) in enumerate(TO_SPECULATORS.items()):
         draft, _ = elsi_draft(m, variants, seed)
         path = root / f"to-spec-{name}"
-        draft.save_pretrained(path, format="speculators", target_config=target.config)
+        write_draft(draft, path, format="speculators", target_config=target.config)
         aux, ids = aux_ids(m, HIDDEN, seed)
         np.savez(root / f"to-spec-{name}-in.npz", aux=aux, ids=ids)
         cases.append({"kind": "speculators_load", "path": str(path), "inputs": str(root / f"to-spec-{name}-in.npz"),
@@ -119,7 +119,7 @@ def engine_results(tmp_path_factory):
     for seed, (name, variants) in enumerate(TO_SPECFORGE.items(), start=20):
         draft, _ = elsi_draft(3, variants, seed, target_hidden=TARGET_HIDDEN_SPECFORGE)
         path = root / f"to-sf-{name}"
-        draft.save_pretrained(path, include_embedding=True)
+        write_draft(draft, path, include_embedding=True)
         aux, ids = aux_ids(3, TARGET_HIDDEN_SPECFORGE, seed)
         np.savez(root / f"to-sf-{name}-in.npz", aux=aux, ids=ids)
         cases.append({"kind": "specforge_load", "path": str(path), "inputs": str(root / f"to-sf-{name}-in.npz"),
@@ -166,7 +166,7 @@ def test_speculators_loads_elsi_fast_draft_in_one_call(engine_results, name):
 @pytest.mark.parametrize("name", list(FROM_SPECULATORS))
 def test_elsi_fast_loads_speculators_draft(engine_results, name):
     case = engine_results[("from_speculators", name)]
-    draft = Eagle3Draft.from_pretrained(case["path"])  # format detected, embedding from the checkpoint
+    draft = read_draft(case["path"])  # format detected, embedding from the checkpoint
     assert draft.config.num_aux_layers == case["m"] and list(draft.config.aux_layer_ids) == layer_ids(case["m"])
     assert draft.config.variants == FROM_SPECULATORS[name][4]
     assert np.array_equal(draft.d2t.numpy(), case["engine"]["d2t"])
@@ -190,8 +190,8 @@ def test_specforge_warm_starts_from_elsi_fast_draft(engine_results, name):
 def test_elsi_fast_loads_specforge_draft(engine_results, name):
     case = engine_results[("from_specforge", name)]
     with pytest.raises(ValueError, match="two meanings"):
-        Eagle3Draft.from_pretrained(case["path"])
-    draft = Eagle3Draft.from_pretrained(case["path"], norm_output_meaning="specforge")
+        read_draft(case["path"])
+    draft = read_draft(case["path"], norm_output_meaning="specforge")
     assert draft.config.final_norm is FROM_SPECFORGE[name]["norm_output"]
     assert list(draft.config.aux_layer_ids) == [1, 3, 5]  # SpecForge's output-of-layer ids, plus one
     assert np.array_equal(draft.d2t.numpy(), case["engine"]["d2t"])

@@ -1,9 +1,10 @@
-"""Serving-config index conventions (docs/method.md section 2) and what each engine reads
-(elsi_fast/engines/serving.py)."""
+"""Serving-config snippets (elsi_fast/engines/serving.py) against what each engine reads from them
+(docs/method.md section 2); the id conventions themselves are tested in test_layer_ids.py."""
 
 import pytest
 
-from elsi_fast.engines.serving import ENGINES, candidate_layers, engine_notes, serving_config, to_engine_layer_ids
+from elsi_fast.engines.layer_ids import ENGINES, candidate_layers
+from elsi_fast.engines.serving import engine_notes, serving_config
 
 N = 36
 EAGLE3 = [2, 18, 33]  # input-to-layer default [2, N//2, N-3]
@@ -54,7 +55,6 @@ def test_output_of_layer_engines_shift_by_one():
     assert serving_config(EAGLE3, "specforge", N) == {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}
     assert serving_config(EAGLE3, "sglang", N)["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}
     assert serving_config(EAGLE3, "trtllm", N)["eagle3_layers_to_capture"] == [1, 17, 32]
-    assert to_engine_layer_ids([1, N], "trtllm") == [0, N - 1]
 
 
 @pytest.mark.parametrize("layers", [[9], [N], [4, 30], EAGLE3, [1, 5, 9, 20, 30]])
@@ -69,32 +69,18 @@ def test_sglang_snippet_alone_sets_capture_and_fc_width(layers):
     assert sglang_reads(serving_config(layers, "sglang", N), N) == (tuple(layers), len(layers))
 
 
-def test_candidates_follow_the_engine():
-    assert candidate_layers("vllm", 5) == [0, 1, 2, 3, 4, 5]
-    assert candidate_layers("speculators", 5) == [0, 1, 2, 3, 4, 5]
-    assert candidate_layers("llamacpp", 5) == [0, 1, 2, 3, 4]  # id N is zeros on Llama-family targets
-    for engine in ("sglang", "specforge", "trtllm"):
-        candidates = candidate_layers(engine, 5)
-        assert candidates == [1, 2, 3, 4]
-        to_engine_layer_ids(candidates, engine, 5)  # every candidate has an index there
-        assert not any("not captured" in n for n in engine_notes(candidates, engine, 5))
-    with pytest.raises(ValueError, match="num_blocks"):
-        candidate_layers("vllm", 0)
-
-
-@pytest.mark.parametrize("engine", ["sglang", "specforge", "trtllm"])
-def test_embeddings_have_no_output_of_layer_index(engine):
-    with pytest.raises(ValueError, match="h_0"):
-        to_engine_layer_ids([0, 5], engine)
-
-
 def test_bad_engine_and_range():
     with pytest.raises(ValueError, match="engine"):
-        to_engine_layer_ids([1], "tgi")
+        serving_config([1], "tgi", N)
     with pytest.raises(ValueError, match="outside 0..36"):
         serving_config([37], "vllm", N)
-    with pytest.raises(ValueError, match="empty"):
-        to_engine_layer_ids([], "vllm")
+
+
+def test_every_candidate_of_an_engine_is_captured_there():
+    for engine in ENGINES:
+        candidates = candidate_layers(engine, 5)
+        assert not any("not captured" in n for n in engine_notes(candidates, engine, 5)), engine
+        serving_config(candidates[:3], engine, 5)  # every candidate has an id there
 
 
 @pytest.mark.parametrize("engine", ENGINES)

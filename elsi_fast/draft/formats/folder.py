@@ -1,9 +1,11 @@
-"""EAGLE3 draft checkpoints: a directory with `config.json` and the weights, in one of two formats.
+"""What the folder formats share: a directory with `config.json` and the weights, its reader, and
+the check of a draft against its target's config.
 
-"eagle3" (SpecForge / EAGLE names: `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
-`d2t`, `t2d`) or "speculators" (`layers.0.*` for the decoder layer, `d2t` / `t2d` only when the
-draft vocabulary is smaller than the target's); the format is read from `config.json`
-(`speculators_model_type`), see `config.py`. Variant tensors: `input_norm.weight`
+The two folder formats are "eagle3" (`formats.eagle3`: SpecForge / EAGLE names `fc.weight`,
+`midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`) and "speculators"
+(`formats.speculators`: `layers.0.*` for the decoder layer, `d2t` / `t2d` only when the draft
+vocabulary is smaller than the target's); `read` takes either, the format read from
+`config.json` (`speculators_model_type`, see `draft.config`). Variant tensors: `input_norm.weight`
 (norm_before_fc), `fc_norm.{i}.weight`, `*.self_attn.{q,k}_norm.weight` (qk_norm).
 
 Weights: `model.safetensors`, a sharded `model.safetensors.index.json`, or `pytorch_model.bin`
@@ -19,15 +21,13 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .config import FORMATS, Eagle3Config
-
-if TYPE_CHECKING:
-    from .model import Eagle3Draft
+from ..config import Eagle3Config
+from ..model import Eagle3Draft
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -100,15 +100,19 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def load_checkpoint(cls: type["Eagle3Draft"], path: str | os.PathLike, embed_tokens: Tensor | nn.Embedding | None,
-                    dtype: torch.dtype | None, device: torch.device | str | None,
-                    norm_output_meaning: str | None = None) -> "Eagle3Draft":
-    """Build `cls` from a checkpoint directory; every missing, unexpected or misshaped tensor is an error."""
+def read(path: str | os.PathLike, *, embed_tokens: Tensor | nn.Embedding | None = None,
+         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+         norm_output_meaning: str | None = None) -> Eagle3Draft:
+    """The draft in a checkpoint directory of either folder format; every missing, unexpected or
+    misshaped tensor is an error. Weights keep the checkpoint dtype unless `dtype` is given. The
+    target embedding comes from `embed_tokens`, else from the checkpoint if it has one.
+    `norm_output_meaning` ("vllm", "sglang" or "specforge") is needed only for an eagle3 config
+    with a `norm_output` field, whose meaning differs between engines."""
     config = read_config(path, norm_output_meaning)
     tensors = read_tensors(path)
     stored_embed = tensors.pop(EMBED_NAME, None)
     with torch.device("meta"):
-        model = cls(config)
+        model = Eagle3Draft(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     _complete_vocab_maps(tensors, config)
     _check_names_and_shapes(tensors, expected, config)
@@ -132,63 +136,51 @@ def load_checkpoint(cls: type["Eagle3Draft"], path: str | os.PathLike, embed_tok
     return model
 
 
-def save_checkpoint(model: "Eagle3Draft", path: str | os.PathLike, format: str = "eagle3", *,
-                    target_config: Any = None, include_embedding: bool | None = None,
-                    speculative_tokens: int = 3) -> None:
-    """config.json + model.safetensors in `format` ("eagle3" or "speculators").
+def resolve_target(draft: Eagle3Draft, target_config: Any) -> dict | None:
+    """target_config (the target's transformers config or its dict) as a dict, checked against the
+    draft (hidden size, vocabulary, layer ids within 0..N); None stays None."""
+    if target_config is None:
+        return None
+    target = _target_dict(target_config)
+    _check_target(draft.config, target)
+    return target
 
-    target_config: the target's transformers config (or its dict); required for "speculators",
-    whose verifier block (name_or_path, architectures) it fills, and checked against the draft
-    (hidden size, vocabulary, layer ids within 0..N). include_embedding: also write the target's
-    embedding (the draft must have one attached); None means yes for "speculators" (speculators
-    0.9 fills a missing embedding from the verifier only when it is NaN, and transformers 5 can
-    leave it as uninitialized memory instead) and no for "eagle3" (engines share the target's).
-    """
+
+def check_include_embedding(include_embedding: Any) -> None:
+    if not isinstance(include_embedding, bool):
+        raise TypeError(f"include_embedding must be a bool, got {include_embedding!r}")
+
+
+def weights_dtype_name(draft: Eagle3Draft) -> str:
+    """The draft's weight dtype as config.json spells it ("float32", "bfloat16", ...)."""
+    return str(draft.fc.weight.dtype).removeprefix("torch.")
+
+
+def cpu_state(draft: Eagle3Draft) -> dict[str, Tensor]:
+    """The draft's state dict (canonical `midlayer.*` names, `d2t`, `t2d`) as contiguous CPU tensors."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in draft.state_dict().items()}
+
+
+def embedding_tensor(draft: Eagle3Draft, format: str) -> Tensor:
+    """The target's embedding the draft holds, in the draft's weight dtype, to store as `EMBED_NAME`."""
+    if draft.embed_tokens is None:
+        raise ValueError(f"format={format!r} with include_embedding writes the target's embedding, but the draft "
+                         f"has none attached: attach_embedding(target.get_input_embeddings().weight)"
+                         + (", or pass include_embedding=False and check that your speculators version "
+                            "loads it from the verifier" if format == "speculators" else ""))
+    return draft.embed_tokens.weight.detach().to(device="cpu", dtype=draft.fc.weight.dtype).contiguous()
+
+
+def write_folder(path: str | os.PathLike, config_dict: dict, state: dict[str, Tensor]) -> None:
+    """config.json (indented, newline-terminated) and model.safetensors in directory `path`."""
     from safetensors.torch import save_file
 
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if include_embedding is None:
-        include_embedding = format == "speculators"
-    if not isinstance(include_embedding, bool):
-        raise TypeError(f"include_embedding must be a bool or None, got {include_embedding!r}")
-    config = model.config
-    target = _target_dict(target_config) if target_config is not None else None
-    if target is not None:
-        _check_target(config, target)
-    dtype = model.fc.weight.dtype
-    if format == "eagle3":
-        config_dict = config.to_dict()
-        config_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        if target is None:
-            raise ValueError("format='speculators' needs target_config (the target's config): speculators names the "
-                             "verifier and reads its layer count from it")
-        verifier = {"name_or_path": target.get("_name_or_path") or target.get("name_or_path") or None,
-                    "architectures": target.get("architectures") or []}
-        config_dict = config.to_speculators_dict(verifier, speculative_tokens)
-        config_dict["dtype"] = str(dtype).removeprefix("torch.")
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    if format == "speculators":
-        state = {_speculators_name(name): t for name, t in state.items()
-                 if config.draft_vocab_size != config.vocab_size or name not in ("d2t", "t2d")}
-    if include_embedding:
-        if model.embed_tokens is None:
-            raise ValueError(f"format={format!r} with include_embedding writes the target's embedding, but the draft "
-                             f"has none attached: attach_embedding(target.get_input_embeddings().weight)"
-                             + (", or pass include_embedding=False and check that your speculators version "
-                                "loads it from the verifier" if format == "speculators" else ""))
-        state[EMBED_NAME] = model.embed_tokens.weight.detach().to(device="cpu", dtype=dtype).contiguous()
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     save_file(state, root / SAFETENSORS_FILE, metadata={"format": "pt"})
     with open(root / CONFIG_FILE, "w") as f:
         json.dump(config_dict, f, indent=2)
         f.write("\n")
-
-
-def _speculators_name(name: str) -> str:
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
 def _target_dict(target_config: Any) -> dict:

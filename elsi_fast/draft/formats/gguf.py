@@ -1,11 +1,12 @@
-"""EAGLE3 drafts as GGUF files for llama.cpp (`--spec-type draft-eagle3 -md draft.gguf`).
+"""The "gguf" format: an EAGLE3 draft as one GGUF file for llama.cpp (`--spec-type draft-eagle3 -md
+draft.gguf`). Written only, never read back.
 
 What llama.cpp (the copy vendored in llama-cpp-python 0.3.36: `src/models/eagle3.cpp`,
 `common/speculative.cpp`) reads from a draft GGUF:
 
 * architecture "eagle3"; `eagle3.target_layers`: exactly three input-to-layer ids (h_l = input
-  of target block l, id N = the target graph's `t_h_nextn` state); each id's state is copied
-  into the fc input in turn, so an id may repeat; `eagle3.target_hidden_size`;
+  of target block l, id N = the target graph's `t_h_nextn` state; `engines.layer_ids`); each
+  id's state is copied into the fc input in turn, so an id may repeat; `eagle3.target_hidden_size`;
   `eagle3.norm_before_residual`, `eagle3.norm_before_fc` (optional, default false); the usual
   Llama hyperparameters under `eagle3.*`.
 * tensors under llama.cpp's names: `fc.weight`, `blk.0.attn_norm` (input_layernorm),
@@ -28,31 +29,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..engines.serving import LLAMACPP_LAYERS, llamacpp_layer_ids
-from .model import rope_inv_freq
-
-if TYPE_CHECKING:
-    from .model import Eagle3Draft
+from ...engines.layer_ids import (LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT, LLAMACPP_LAYERS, eagle3_default_layers,
+                                  llamacpp_layer_ids)
+from ..model import Eagle3Draft, rope_inv_freq
 
 ARCH = "eagle3"
-# Target architectures whose llama.cpp graph publishes the last block's output before the final
-# norm as `t_h_nextn`, which llama.cpp reads for id N. The Llama-family graphs (llama, qwen3,
-# gemma3, ...) never set it, so the draft gets zeros for id N (bench/integration/llamacpp.py
-# measures it on SmolLM2); the MTP graphs (qwen35, gemma4, deepseek2, glm4moe, ...) set it after
-# the final norm, a different state.
-ARCHS_WITH_LAST_BLOCK_OUTPUT = frozenset({"gpt-oss"})
 # Variants eagle3.cpp does not implement: it would compute the plain layer.
 _UNSUPPORTED_VARIANTS = ("fc_norm", "norm_feedback", "final_norm", "qk_norm", "sliding_window")
 _FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # general.file_type (llama_ftype)
 
 
-def write_gguf(draft: "Eagle3Draft", path: str | os.PathLike, target: str | os.PathLike | None) -> None:
-    """Write `draft` as a llama.cpp EAGLE3 draft GGUF at `path`, for the target GGUF file `target`."""
+def write(draft: Eagle3Draft, path: str | os.PathLike, *, target: str | os.PathLike | None = None) -> None:
+    """Write `draft` as a llama.cpp EAGLE3 draft GGUF at `path` (one file), for the target GGUF file
+    `target` (required: its tokenizer is copied, its layer count and vocabulary checked)."""
     import gguf
 
     if target is None:
@@ -177,7 +170,7 @@ def _check_draft(config, info: dict) -> tuple[int, ...]:
     if config.target_hidden_size != info["hidden_size"]:
         raise ValueError(f"target: the draft's target_hidden_size={config.target_hidden_size} differs from the "
                          f"target's hidden size {info['hidden_size']}")
-    ids = config.aux_layer_ids if config.aux_layer_ids is not None else (2, n // 2, n - 3)
+    ids = config.aux_layer_ids if config.aux_layer_ids is not None else eagle3_default_layers(n)
     if len(ids) > LLAMACPP_LAYERS:
         raise ValueError(f"aux_layer_ids: llama.cpp feeds a draft exactly {LLAMACPP_LAYERS} target states, so only "
                          f"m <= 3 has an exact equivalent, got m={len(ids)} {list(ids)}")
@@ -188,14 +181,14 @@ def _check_draft(config, info: dict) -> tuple[int, ...]:
     if outside:
         raise ValueError(f"aux_layer_ids: {list(ids)} include {outside}, beyond the target's h_0..h_{n} "
                          f"(N={n} blocks)")
-    if n in ids and info["arch"] not in ARCHS_WITH_LAST_BLOCK_OUTPUT:
+    if n in ids and info["arch"] not in LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT:
         raise ValueError(f"aux_layer_ids: {list(ids)} include h_{n}, the last block's output, which llama.cpp "
                          f"(llama-cpp-python 0.3.36) does not deliver for a {info['arch']!r} target (its graph does "
                          f"not publish that state); choose ids in 0..{n - 1}")
     return tuple(ids)
 
 
-def _tensors(draft: "Eagle3Draft", m: int) -> dict[str, Tensor]:
+def _tensors(draft: Eagle3Draft, m: int) -> dict[str, Tensor]:
     """llama.cpp's tensor names -> CPU tensors (torch layout [out, in]; GGUF lists dims reversed)."""
     config = draft.config
     layer = draft.midlayer
