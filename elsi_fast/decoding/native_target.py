@@ -11,7 +11,7 @@ forward bit for bit, docs/native-target.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,17 +73,22 @@ def _check_capacity(native: NativeForward, prompt_len: int, max_new_tokens: int,
 
 
 def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_new_tokens: int, *,
-                           eos_token_id: int | None = None) -> torch.Tensor:
+                           eos_token_id: int | None = None,
+                           on_token: Callable[[int], None] | None = None) -> torch.Tensor:
     """Greedy decoding on the native forward: new ids [n_new] (exactly `max_new_tokens`, or up to
-    `eos_token_id` included). input_ids: [T] or [1, T]."""
+    `eos_token_id` included). input_ids: [T] or [1, T]. `on_token(id)` sees each id as it comes."""
     input_ids = _check_inputs(input_ids, max_new_tokens, 1)
     _check_capacity(native, input_ids.shape[1], max_new_tokens, 0)
     runner = NativeTargetRunner(native, [])
     greedy, _ = runner.forward(input_ids, last_only=True)
     emitted = [int(greedy[0, -1])]
+    if on_token is not None:
+        on_token(emitted[-1])
     while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
         greedy, _ = runner.forward(torch.tensor([[emitted[-1]]]))
         emitted.append(int(greedy[0, -1]))
+        if on_token is not None:
+            on_token(emitted[-1])
     return torch.tensor(emitted, dtype=torch.long)
 
 
