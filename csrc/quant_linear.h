@@ -37,6 +37,7 @@ struct QuantInput {
   std::vector<int8_t> q;  // [rows, cols]
   std::vector<float> d;   // [rows, cols / 32] scales
   std::vector<float> s;   // [rows, cols / 32] d * sum(q) (Q4_1's minimum multiplies it)
+  std::vector<float> s8;  // s by groups of 8 rows, [ceil(rows / 8), cols / 32, 8], zero padded
 };
 
 void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out);

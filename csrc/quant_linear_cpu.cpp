@@ -162,6 +162,7 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
   const int64_t nb = cols / kQuantBlock;
   out.rows = rows, out.cols = cols;
   out.q.resize(rows * cols), out.d.resize(rows * nb), out.s.resize(rows * nb);
+  out.s8.assign((rows + kMaxRows - 1) / kMaxRows * nb * kMaxRows, 0.f);
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* xb = x + i * kQuantBlock;
     float amax = 0.f;
@@ -175,6 +176,8 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
     }
     out.d[i] = d;
     out.s[i] = d * static_cast<float>(sum);
+    const int64_t row = i / nb, b = i % nb;
+    out.s8[(row / kMaxRows * nb + b) * kMaxRows + row % kMaxRows] = out.s[i];
   }
 }
 
