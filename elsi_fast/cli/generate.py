@@ -3,7 +3,7 @@
 The target runs on `targets.native_forward.NativeForward` (one native call per forward, the file's
 own quantized blocks; docs/native-target.md). Without --draft the tokens stream as they come; with
 --draft each prompt's text is printed when its speculative decoding ends (the tokens equal greedy
-decoding's). The end prints new tokens/s, and tau with a draft. --compare-greedy also runs plain
+decoding's). The end prints new tokens/s, tau with a draft, and the memory the target holds. --compare-greedy also runs plain
 greedy decoding on every prompt, interleaved, and checks that the outputs are equal (exit code 1
 if one differs).
 """
@@ -132,6 +132,8 @@ def handler(args: argparse.Namespace) -> int:
     if draft is not None:
         line += f", draft k={args.k}, tau {(totals['accepted'] + totals['rounds']) / max(totals['rounds'], 1):.3f}"
     print(line + ")")
+    print(f"memory: weights {native.weights.weight_bytes() / 2**20:.0f} MiB as mapped from the file, KV cache "
+          f"{native.kv_cache_bytes() / 2**20:.0f} MiB ({native.capacity} positions)")
     if args.compare_greedy:
         greedy_speed = totals["tokens"] / totals["greedy_seconds"]
         print(f"greedy decoding: {greedy_speed:.1f} tokens/s; the draft's speedup {speed / greedy_speed:.2f}x; "

@@ -33,6 +33,7 @@ def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "### What is the capital of France?" in out and "Paris" in out
     assert "1 prompts," in out and "tokens/s (1 threads)" in out
+    assert "memory: weights 92 MiB as mapped from the file, KV cache " in out
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Name three colors.\n\n{"prompt": "Count to five."}\n')
     assert main(["generate", "--target", smollm2, "--draft", KEPT_DRAFT, "--prompts", str(prompts), "-k", "2",
