@@ -1,6 +1,9 @@
 """The paper's draft claims on real targets: EAGLE3 drafts on chosen layer sets, trained the anchors'
 way, tau on all 480 Spec-Bench prompts. A resumable experiment: every step (data, cache, a trained
 draft, its tau) works under runs/draft-experiment/<model>/ and a rerun does only what is missing.
+The cells, their replayed tau, the paired statistics and the tables are the library's
+(`elsi_fast.decoding.experiments`, `experiment_report`, `paired_stats`: docs/experiments.md); this
+script holds the stages over the shared data and the kept state.
 What a later session on a fresh clone needs is committed under bench/results/draft_experiment/<model>/
 (--keep): the regenerated answers as token ids (not the prompts: `regenerate.export_answers`), the
 calibration report and every finished cell's result; a rerun restores them instead of recomputing,
@@ -34,23 +37,25 @@ import argparse
 import json
 import os
 import signal
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record, shared_data
 from elsi_fast.analysis.prompts import load_prompts
+from elsi_fast.decoding import experiments
 from elsi_fast.decoding.evaluation import continuation_samples, pooled_tau, replay_runs_per_k
+from elsi_fast.decoding.experiment_report import (
+    Table, by_set, claims_tables, plot_claims, plot_scaling, recipe_cells, recipe_table, rerun_note, variant_tables,
+)
+from elsi_fast.decoding.experiments import Cell, ExperimentData, finished_cell, layer_sets, read_cells
+from elsi_fast.decoding.paired_stats import emitted_tokens
 from elsi_fast.targets.loading import load_model
 from elsi_fast.training.feature_cache import build, open_cache
 from elsi_fast.training.regenerate import (
     CONVERSATIONS_FILE, export_answers, read_conversations, regenerate, restore_answers,
 )
 from elsi_fast.analysis.report import LayerReport
-from elsi_fast.training.train import train_draft
 from elsi_fast.training.training_data import conversation_samples
 
 RUNS = ROOT / "runs" / "draft-experiment"
@@ -67,12 +72,11 @@ RECIPE = {"init": "target", "draft_vocab_size": 8192, "ttt_steps": 3, "steps": 1
 
 
 def sets_of(report: LayerReport, model: str) -> dict[str, list[int]]:
-    """The layer sets of the claims (input-to-layer ids)."""
-    sets = {"elsi-m1": report.select("elsi", 1), "elsi-m3": report.select("elsi", 3),
-            "eagle3-m3": report.select("eagle3", 3), "low-entropy-m3": report.select("low-entropy", 3)}
+    """The layer sets of the claims (input-to-layer ids), in the claims' order: elsi-m1, elsi-m3,
+    eagle3-m3, low-entropy-m3 (SmolLM2: then elsi-c-m3, last-m1, uniform-m3)."""
+    sets = {**layer_sets(report, ["elsi"], [1, 3]), **layer_sets(report, ["eagle3", "low-entropy"], [3])}
     if model.startswith("smollm2"):
-        sets.update({"elsi-c-m3": report.select("elsi-c", 3), "last-m1": report.select("last", 1),
-                     "uniform-m3": report.select("uniform", 3)})
+        sets.update(layer_sets(report, ["elsi-c", "last", "uniform"], [3]))
     return sets
 
 
@@ -153,47 +157,29 @@ def stage_cache(model, tokenizer, out: Path, layers: list[int]) -> None:
 
 def run_cell(model, tokenizer, out: Path, keep: Path, name: str, layers: list[int], seed: int, recipe: dict,
              tag: str) -> dict:
-    """Train one draft (resumable) and replay its tau at every k; the cell's result is kept in
-    `keep/cells/<cell>.json`, and a rerun reads it instead of recomputing."""
-    cell = out / "cells" / f"{name}-seed{seed}-{tag}"
-    done = keep / "cells" / f"{cell.name}.json"
-    if done.is_file():
-        kept = json.loads(done.read_text())
-        if kept["recipe"] != recipe or kept["layers"] != layers:  # a changed RECIPE must not reuse old cells
-            raise ValueError(f"{done} was trained with layers {kept['layers']}, recipe {kept['recipe']}; this run "
-                             f"asks for {layers}, {recipe}: give the new recipe its own tag")
-        return kept
-    train = conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS, model.config.vocab_size)
-    started = time.process_time()
-    draft, summary = train_draft(model, tokenizer, layers, train, out_dir=cell,
-                                 feature_cache=open_cache(out / "cache-train"), seed=seed, seq_len=MAX_TOKENS,
-                                 save_every=10, **recipe)
-    train_cpu = time.process_time() - started
-    records, cache = _records(out, "eval"), open_cache(out / "cache-eval")
-    began = time.process_time()
-    runs = replay_runs_per_k(draft, records, cache, KS, batch_size=16)
-    eval_cpu = time.process_time() - began
-    taus = {k: {"pooled": pooled_tau(runs[k]),
-                "per_prompt": {cat: [r.tau for r in results] for cat, results in runs[k].items()}} for k in KS}
-    result = {"name": name, "layers": layers, "seed": seed, "tag": tag, "recipe": recipe,
-              "train_tokens": sum(h["tokens"] for h in summary["history"]), "final_loss": summary["final_loss"],
-              "final_top1": summary["history"][-1]["top1"], "train_cpu_seconds": train_cpu,
-              "train_tokens_per_second": summary["tokens_per_second_this_run"], "eval_cpu_seconds": eval_cpu,
-              "tau": taus}
-    device = device_name("cpu")
+    """Train one draft (resumable, in `out/cells/<cell>`) and replay its tau at every k
+    (`experiments.run_cell`); the cell's result is kept in `keep/cells/<cell>.json`, and a rerun
+    reads it instead of recomputing. A new cell also writes one row per k."""
+    cell = Cell(name, layers, seed, recipe, tag)
+    done = finished_cell(cell, keep / "cells")
+    if done is not None:
+        return done
+    records = _records(out, "eval")
+    data = ExperimentData(model, tokenizer, conversation_samples(_records(out, TRAIN), tokenizer, MAX_TOKENS,
+                                                                 model.config.vocab_size),
+                          open_cache(out / "cache-train"), records, open_cache(out / "cache-eval"), MAX_TOKENS)
+    result, _ = experiments.run_cell(cell, data, keep / "cells", out / "cells", ks=KS, progress=True)
+    device, taus = device_name("cpu"), result["tau"]
     for k in KS:
-        record(RESULTS, "draft_tau", f"tau/k={k}", taus[k]["pooled"]["all"], "tokens/forward", device=device,
+        record(RESULTS, "draft_tau", f"tau/k={k}", taus[str(k)]["pooled"]["all"], "tokens/forward", device=device,
                params={"model": out.name, "set": name, "layers": layers, "seed": seed, "tag": tag, "recipe": recipe,
-                       "per_category": taus[k]["pooled"], "train_tokens": result["train_tokens"],
-                       "train_cpu_seconds": train_cpu, "eval_cpu_seconds": eval_cpu, "prompts": len(records),
+                       "per_category": taus[str(k)]["pooled"], "train_tokens": result["train_tokens"],
+                       "train_cpu_seconds": result["train_cpu_seconds"],
+                       "eval_cpu_seconds": result["eval_cpu_seconds"], "prompts": len(records),
                        "max_new_tokens": 128, "loadavg": os.getloadavg()})
-    done.parent.mkdir(parents=True, exist_ok=True)
-    done.write_text(json.dumps(result))
-    return json.loads(done.read_text())  # the same (string) keys whether computed now or read
+    return result
 
 
-# The recipe stage's cells on ELSI m=1, seed 0: a same-code rerun of the base cell (reproducibility),
-# the data-scaling curve (the base cell is its 120-step point), then the recipe's other knobs.
 RECIPE_VARIANTS = {"base": {}, "rerun": {}, "steps30": {"steps": 30, "warmup": 3},
                    "steps60": {"steps": 60, "warmup": 6}, "steps240": {"steps": 240, "warmup": 24},
                    "ttt7": {"ttt_steps": 7}, "vocab2048": {"draft_vocab_size": 2048},
@@ -272,272 +258,48 @@ def _first_per_category(items: list, n: int, tokenizer=None) -> list:
         groups = {c: sorted(g, key=lambda p: (len(encode_prompt(p, tokenizer)), p.id)) for c, g in groups.items()}
     return [item for group in groups.values() for item in group[:n]]
 
-
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def _interval(values: list[float]) -> tuple[float, float]:
-    """(mean, 95% Student-t half-width) of `values` (half-width nan for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    return mean, _T975.get(n - 1, 1.96) * sd / n**0.5
-
-
 def _emitted_tokens(keep: Path) -> dict[str, list[int]]:
-    """Tokens each replayed evaluation prompt emits through verification rounds (accepted + rounds),
-    per category in record order, as `evaluation.replay_runs_per_k` replays them: the continuation's
-    budget less the prefill's token, prompts with fewer than 2 new tokens left out. The same for
-    every draft, so a prompt's rounds are emitted / tau and a pooled tau can be resampled."""
+    """Tokens each kept evaluation answer emits through verification rounds, per Spec-Bench category
+    (`paired_stats.emitted_tokens`; the kept answers carry no category)."""
     category = {p.id: p.category for p in load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")))}
-    emitted: dict[str, list[int]] = {}
-    for answer in json.loads((keep / "eval.answers.json").read_text())["answers"]:
-        response = answer["response_ids"]
-        if len(response) < 2:
-            continue
-        budget = response.index(response[-1]) + 1 if answer.get("stop") == "eos" else len(response)
-        emitted.setdefault(category[answer["id"]], []).append(budget - 1)
-    return emitted
-
-
-def _pooled_bootstrap(runs: dict, reference: dict, emitted: dict[str, list[int]], k: str = "4",
-                      category: str | None = None, draws: int = 4000) -> tuple[float, float]:
-    """95% bootstrap interval of pooled tau(set) - tau(reference) at k over the prompts (of
-    `category`, default all): prompts resampled, each resample's pooled tau = emitted / rounds
-    summed over its prompts (the statistic the tables report), the difference averaged over the
-    seeds both have. Prompt-to-prompt noise, not seed noise."""
-    import numpy as np
-
-    categories = sorted(emitted) if category is None else [category]
-    tokens = np.concatenate([np.asarray(emitted[c], dtype=np.float64) for c in categories])
-
-    def rounds(cell: dict) -> np.ndarray:
-        per_prompt = cell["tau"][k]
-        counts = np.concatenate([np.asarray(emitted[c]) / np.asarray(per_prompt["per_prompt"][c]) for c in categories])
-        pooled = per_prompt["pooled"][category or "all"]
-        if abs(tokens.sum() / counts.sum() - pooled) > 1e-9 * pooled:  # the weights belong to these prompts
-            raise ValueError(f"eval.answers.json does not match the cell's prompts ({cell['name']} seed {cell['seed']})")
-        return counts
-
-    seeds = [s for s in runs if s in reference]
-    pairs = [(rounds(runs[s]), rounds(reference[s])) for s in seeds]
-    picks = np.random.default_rng(0).integers(0, len(tokens), (draws, len(tokens)))
-    resampled = tokens[picks].sum(axis=1)
-    diffs = np.mean([resampled / mine[picks].sum(axis=1) - resampled / theirs[picks].sum(axis=1)
-                     for mine, theirs in pairs], axis=0)
-    return float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))
-
-
-def _paired(runs: dict, reference: dict, k: str = "4", category: str = "all") -> list[float]:
-    """Pooled tau(set) - tau(reference) at k for every seed both have."""
-    return [runs[s]["tau"][k]["pooled"][category] - reference[s]["tau"][k]["pooled"][category] for s in runs if s in reference]
+    return emitted_tokens(json.loads((keep / "eval.answers.json").read_text())["answers"], category)
 
 
 def stage_report(keep: Path, images: Path | None = None) -> str:
-    """Markdown tables (and plots into `images`) of the finished claims cells kept in `keep`: tau per
-    set and category at k = 4, paired differences against the EAGLE3 default over seeds, tau
-    against k; and the recipe cells."""
-    cells = [json.loads(p.read_text()) for p in sorted((keep / "cells").glob("*.json"))]
-    claims = [c for c in cells if c["tag"] == "claims"]
+    """Markdown tables (and plots into `images`) of the finished cells kept in `keep`
+    (`experiment_report`): tau per set and category at k = 4, paired differences against the
+    EAGLE3 default over seeds and prompts, tau against k; the recipe cells, the variants, the
+    rerun and the held-out replays."""
+    cells = read_cells(keep / "cells")
     sets = json.loads((keep / "sets.json").read_text())
-    lines = [f"### {keep.name}: claims cells ({len(claims)} drafts)", ""]
-    by_set: dict[str, dict[int, dict]] = {}
-    for cell in claims:
-        by_set.setdefault(cell["name"], {})[cell["seed"]] = cell
-    categories = sorted({c for cell in claims for c in cell["tau"]["4"]["pooled"] if c != "all"})
-    lines += ["Δ vs EAGLE3: the paired difference of pooled tau over seeds (mean ± 95% t half-width), and a "
-              "95% bootstrap interval of the pooled difference (prompts resampled, seeds averaged).", "",
-              "| set | layers | seeds | " + " | ".join(["all", *categories]) + " | Δ all vs EAGLE3 (paired) |",
-              "|---" * (5 + len(categories)) + "|"]
-    reference = by_set.get("eagle3-m3", {})
     emitted = _emitted_tokens(keep)
-    for name in sets:
-        runs = by_set.get(name, {})
-        if not runs:
-            continue
-        row = [name, str(sets[name]), str(len(runs))]
-        for category in ["all", *categories]:
-            mean, half = _interval([r["tau"]["4"]["pooled"][category] for r in runs.values()])
-            row.append(f"{mean:.3f} ± {half:.3f}")
-        paired = _paired(runs, reference)
-        if name != "eagle3-m3" and paired:
-            mean, half = _interval(paired)
-            low, high = _pooled_bootstrap(runs, reference, emitted)
-            row.append(f"{mean:+.3f} ± {half:.3f} (n={len(paired)} seeds); prompts [{low:+.3f}, {high:+.3f}]")
-        else:
-            row.append("0" if name == "eagle3-m3" else "-")
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "tau against k (mean over seeds):", "", "| set | " + " | ".join(f"k={k}" for k in KS) + " |",
-              "|---" * (1 + len(KS)) + "|"]
-    for name, runs in by_set.items():
-        lines.append(f"| {name} | " + " | ".join(
-            f"{_interval([r['tau'][str(k)]['pooled']['all'] for r in runs.values()])[0]:.3f}" for k in KS) + " |")
-    compared = {name: runs for name, runs in by_set.items() if name != "eagle3-m3" and set(runs) & set(reference)}
-    lines += ["", "Δ vs EAGLE3 at each k: paired over seeds (mean ± 95% t half-width) and the 95% bootstrap "
-              "interval over prompts:", "", "| set | " + " | ".join(f"k={k}" for k in KS) + " |", "|---" * (1 + len(KS)) + "|"]
-    for name, runs in compared.items():
-        row = []
-        for k in map(str, KS):
-            mean, half = _interval(_paired(runs, reference, k))
-            low, high = _pooled_bootstrap(runs, reference, emitted, k)
-            row.append(f"{mean:+.3f} ± {half:.3f} [{low:+.3f}, {high:+.3f}]")
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
-    lines += ["", "Δ vs EAGLE3 per category at k=4 (mean over paired seeds; 95% bootstrap interval over the category's prompts):", "",
-              "| set | " + " | ".join(categories) + " |", "|---" * (1 + len(categories)) + "|"]
-    for name, runs in compared.items():
-        row = []
-        for category in categories:
-            mean = _interval(_paired(runs, reference, "4", category))[0]
-            low, high = _pooled_bootstrap(runs, reference, emitted, "4", category=category)
-            row.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
-    recipe = [c for c in cells if c["name"] == "elsi-m1" and c["seed"] == 0 and
-              (c["tag"] == "claims" or c["tag"].startswith("recipe-"))]
+    claims = by_set(cells)
+    lines = [f"### {keep.name}: claims cells ({sum(map(len, claims.values()))} drafts)"]
+    for table in claims_tables(cells, sets, emitted):
+        lines += table.markdown()
+    recipe = recipe_cells(cells, "elsi-m1", 0)
     if recipe:
-        lines += ["", "recipe (ELSI m=1, seed 0):", "",
-                  "| cell | init | draft vocab | TTT | steps | train tokens | train CPU-min | tau k=4 | tau per train CPU-hour |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for c in recipe:
-            r = c["recipe"]
-            tau = c["tau"]["4"]["pooled"]["all"]
-            lines.append(f"| {c['tag']} | {r['init']} | {r['draft_vocab_size']} | {r['ttt_steps']} | {r['steps']} | "
-                         f"{c['train_tokens']} | {c['train_cpu_seconds'] / 60:.1f} | {tau:.3f} | "
-                         f"{(tau - 1) / (c['train_cpu_seconds'] / 3600):.2f} |")
-    lines += _variant_tables(cells, by_set, sets, emitted)
-    base, rerun = by_set.get("elsi-m1", {}).get(0), next((c for c in cells if c["tag"] == "recipe-rerun"), None)
+        lines += recipe_table(recipe, "ELSI m=1, seed 0").markdown()
+    for table in variant_tables(cells, sets, emitted):
+        lines += table.markdown()
+    base, rerun = claims.get("elsi-m1", {}).get(0), next((c for c in cells if c["tag"] == "recipe-rerun"), None)
     if base and rerun:
-        gaps = [abs(a - b) for k in KS for cat in base["tau"][str(k)]["per_prompt"]
-                for a, b in zip(base["tau"][str(k)]["per_prompt"][cat], rerun["tau"][str(k)]["per_prompt"][cat])]
-        lines += ["", f"Reproducibility: the ELSI m=1 seed-0 cell retrained and replayed with the same code gives "
-                  f"tau(k=4) {rerun['tau']['4']['pooled']['all']:.4f} (kept cell {base['tau']['4']['pooled']['all']:.4f}); "
-                  f"final loss {rerun['final_loss']:.4f} vs {base['final_loss']:.4f}; the largest per-prompt tau "
-                  f"difference over k = 1..5 is {max(gaps):.4f}."]
+        lines += ["", rerun_note(base, rerun, "ELSI m=1 seed-0")]
     if (keep / "heldout.json").is_file():
         heldout = json.loads((keep / "heldout.json").read_text())
         counts = next(iter(heldout.values()))["prompts"]
-        lines += ["", f"held in ({counts['heldin']} training conversations), held out ({counts['heldout']} unseen "
-                  "training instructions) and Spec-Bench (480), seed-0 claims drafts, tau at k=4:", "",
-                  "| set | layers | held in | held out | Spec-Bench |", "|---|---|---|---|---|"]
-        lines += [f"| {name} | {h['layers']} | {h['heldin_tau']['all']:.3f} | {h['heldout_tau']['all']:.3f} | "
-                  f"{h['specbench_tau']['all']:.3f} |" for name, h in heldout.items()]
-    scaling = sorted((c for c in recipe if c["tag"] in ("claims", *(f"recipe-{t}" for t in RECIPE_VARIANTS if t.startswith("steps")))),
-                     key=lambda c: c["train_tokens"])
+        lines += Table(f"held in ({counts['heldin']} training conversations), held out ({counts['heldout']} unseen "
+                       "training instructions) and Spec-Bench (480), seed-0 claims drafts, tau at k=4:",
+                       ["set", "layers", "held in", "held out", "Spec-Bench"],
+                       [[name, str(h["layers"]), f"{h['heldin_tau']['all']:.3f}", f"{h['heldout_tau']['all']:.3f}",
+                         f"{h['specbench_tau']['all']:.3f}"] for name, h in heldout.items()]).markdown()
+    prefix, steps = keep.name.split("-")[0], ("claims", *(f"recipe-{t}" for t in RECIPE_VARIANTS if t.startswith("steps")))
+    scaling = [c for c in recipe if c["tag"] in steps]
     if images is not None and claims:
-        _plots(by_set, sets, categories, images, keep.name)
+        plot_claims(cells, sets, images, prefix, keep.name, prompts="all 480 prompts")
     if images is not None and len(scaling) > 1:
-        _scaling_plot(scaling, images, keep.name)
+        plot_scaling(scaling, images, prefix, keep.name, "ELSI m=1, seed 0", prompts="all 480 prompts")
     return "\n".join(lines)
-
-
-def _variant_tables(cells: list[dict], by_set: dict, sets: dict, emitted: dict[str, list[int]]) -> list[str]:
-    """For each recipe variant trained on more than one set (`--variant`): tau(k=4) of every
-    (set, seed) cell beside its claims cell, the variant's effect paired by set and seed, and each
-    set's difference from the EAGLE3 default under the variant against the same under the recipe
-    (paired by seed; with the 95% bootstrap interval over prompts under the variant): whether the
-    knob moves the ranking."""
-    variants: dict[str, dict[str, dict[int, dict]]] = {}
-    for c in cells:
-        if c["tag"].startswith("recipe-") and c["name"] in sets:
-            variants.setdefault(c["tag"], {}).setdefault(c["name"], {})[c["seed"]] = c
-    lines: list[str] = []
-    for tag, by_name in variants.items():
-        if len(by_name) < 2:
-            continue
-        lines += ["", f"{tag} against the claims recipe (tau at k=4; Δ: paired by set and seed; "
-                  "Δ vs EAGLE3: paired by seed within each recipe):", "",
-                  f"| set | seeds | {tag} | claims | Δ ({tag} − claims) | Δ vs EAGLE3, {tag} | Δ vs EAGLE3, claims |",
-                  "|---|---|---|---|---|---|---|"]
-        reference = by_name.get("eagle3-m3", {})
-        for name in sets:
-            runs = by_name.get(name, {})
-            if not runs:
-                continue
-            seeds = sorted(runs)
-            tau = lambda cell: cell["tau"]["4"]["pooled"]["all"]  # noqa: E731
-            mine = " / ".join(f"{tau(runs[s]):.3f}" for s in seeds)
-            claims = " / ".join(f"{tau(by_set[name][s]):.3f}" if s in by_set.get(name, {}) else "-" for s in seeds)
-            effect = [tau(runs[s]) - tau(by_set[name][s]) for s in seeds if s in by_set.get(name, {})]
-            row = [name, ", ".join(map(str, seeds)), mine, claims, _mean_half(effect)]
-            if name == "eagle3-m3":
-                row += ["0", "0"]
-            else:
-                both = {s: c for s, c in runs.items() if s in reference and s in by_set.get(name, {})}
-                low, high = _pooled_bootstrap(both, reference, emitted) if both else (float("nan"),) * 2
-                row += [f"{_mean_half(_paired(both, reference))}; prompts [{low:+.3f}, {high:+.3f}]",
-                        _mean_half(_paired({s: by_set[name][s] for s in both}, by_set.get("eagle3-m3", {})))]
-            lines.append("| " + " | ".join(row) + " |")
-    return lines
-
-
-def _mean_half(values: list[float]) -> str:
-    """'mean ± 95% t half-width (n=..)', the mean alone for one value, '-' for none."""
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:+.3f} (n=1)"
-    mean, half = _interval(values)
-    return f"{mean:+.3f} ± {half:.3f} (n={len(values)})"
-
-
-def _scaling_plot(cells: list[dict], images: Path, model: str) -> None:
-    """tau at k = 1..5 against the training tokens seen (the data-scaling curve of the recipe)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.6, 3.4), dpi=90)
-    tokens = [c["train_tokens"] for c in cells]
-    for k in KS:
-        ax.plot(tokens, [c["tau"][str(k)]["pooled"]["all"] for c in cells], "o-", label=f"k={k}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training loss tokens (ELSI m=1, seed 0)")
-    ax.set_ylabel("tau (all 480 prompts)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    ax.set_title(f"{model}: tau against training data", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(images / f"{model.split('-')[0]}_tau_vs_tokens.png")
-    plt.close(fig)
-
-
-def _plots(by_set: dict, sets: dict, categories: list[str], images: Path, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    images.mkdir(parents=True, exist_ok=True)
-    names = [n for n in sets if n in by_set]
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        stats = [_interval([r["tau"]["4"]["pooled"][c] for r in by_set[name].values()]) for c in ["all", *categories]]
-        ax.bar([x + i * width for x in range(len(stats))], [m for m, _ in stats], width,
-               yerr=[0 if h != h else h for _, h in stats], label=f"{name} {sets[name]}", capsize=2)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(1 + len(categories))], ["all", *categories], fontsize=8, rotation=35, ha="right")
-    ax.set_ylabel("tau at k=4 (mean ± 95% CI over seeds)", fontsize=8)
-    lows = [min(r["tau"]["4"]["pooled"][c] for r in runs.values() for c in ["all", *categories]) for runs in by_set.values()]
-    ax.set_ylim(max(1.0, min(lows) - 0.2), None)
-    ax.legend(fontsize=6, ncol=2)
-    ax.set_title(f"{model}: acceptance length per category and layer set", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(images / f"{model.split('-')[0]}_tau_by_category.png")
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(4.6, 3.4), dpi=90)
-    for name in names:
-        ax.plot(KS, [_interval([r["tau"][str(k)]["pooled"]["all"] for r in by_set[name].values()])[0] for k in KS],
-                "o-", label=name)
-    ax.set_xlabel("k (draft tokens per round)")
-    ax.set_ylabel("tau (all 480 prompts)")
-    ax.set_xticks(KS)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(images / f"{model.split('-')[0]}_tau_vs_k.png")
-    plt.close(fig)
 
 
 def _interrupt(signum, frame) -> None:

@@ -1,13 +1,16 @@
-"""Keep a `regenerate --self-instruct` folder in the repository compactly, and rebuild it on a fresh clone.
+"""Keep a `regenerate` folder in the repository compactly, and rebuild it on a fresh clone.
 
     .venv/bin/python -m bench.keep_data keep runs/data-smollm2 --target smollm2-135m-instruct
     .venv/bin/python -m bench.keep_data restore runs/data-smollm2 --target smollm2-135m-instruct \
         --prompts ../shared/data/prompts/train_instructions.jsonl --max-new-tokens 256
 
-`keep` writes bench/results/data/<target>/: `self_instruct.json` (the sampling settings),
-`instructions_raw.jsonl.gz` (every sampled user turn: ids, text, finished; the filter is a function
-of this file), `instructions.jsonl.gz` (the kept ones) and `answers.json.gz` (`export_answers`: ids
-and token ids, no prompt text, with the regenerate settings). `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
+`keep` writes bench/results/data/<target>/: `answers.json.gz` (`export_answers`: ids and token
+ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` folder,
+`self_instruct.json` (the sampling settings), `instructions_raw.jsonl.gz` (every sampled user
+turn: ids, text, finished; the filter is a function of this file) and `instructions.jsonl.gz`
+(the kept ones). A target without a chat template (Gemma 3 270M, a base model) writes no
+instructions: its folder answers prompt files given to `--prompts` (several, in order), and
+`restore` takes the same files. `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
 command then continues sampling and answering where the kept run stopped. Plain JSON only: no
 file here can execute code when read.
 """
@@ -31,8 +34,10 @@ def keep(folder: Path, target: str) -> Path:
 
     out = KEEP / target
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
-    for name in (RAW_FILE, KEPT_FILE):
+    sampled = (folder / "self_instruct.json").is_file()
+    if sampled:
+        shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
+    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
         # mtime 0: the same data gives the same bytes, so a re-keep leaves git nothing to commit
         with open(folder / name, "rb") as src, gzip.GzipFile(out / (name + ".gz"), "wb", mtime=0) as dst:
             shutil.copyfileobj(src, dst)
@@ -42,7 +47,7 @@ def keep(folder: Path, target: str) -> Path:
     return out
 
 
-def restore(folder: Path, target: str, prompts_path: str, max_new_tokens: int) -> None:
+def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens: int) -> None:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.targets.loading import load_model
     from elsi_fast.training.regenerate import restore_answers
@@ -52,12 +57,16 @@ def restore(folder: Path, target: str, prompts_path: str, max_new_tokens: int) -
     if (folder / RAW_FILE).exists():
         raise SystemExit(f"folder: {folder} already holds sampled instructions; restore into a new folder")
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(kept / "self_instruct.json", folder / "self_instruct.json")
-    for name in (RAW_FILE, KEPT_FILE):
+    sampled = (kept / "self_instruct.json").is_file()
+    if sampled:
+        shutil.copyfile(kept / "self_instruct.json", folder / "self_instruct.json")
+    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
         with gzip.open(kept / (name + ".gz"), "rb") as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
     model, tokenizer = load_model(target, device="cpu", dtype="float32")
-    prompts = load_prompts(prompts_path) + load_prompts(str(folder / KEPT_FILE))
+    prompts = [prompt for path in prompts_paths for prompt in load_prompts(path)]
+    if sampled:
+        prompts += load_prompts(str(folder / KEPT_FILE))
     with gzip.open(kept / "answers.json.gz", "rt") as f:
         exported = json.load(f)
     engine = exported["settings"].get("engine", "transformers")
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=("keep", "restore"))
     p.add_argument("folder", type=Path)
     p.add_argument("--target", required=True)
-    p.add_argument("--prompts", help="restore: the --prompts of the kept regenerate run")
+    p.add_argument("--prompts", nargs="+", help="restore: the --prompts of the kept regenerate run")
     p.add_argument("--max-new-tokens", type=int, default=256, help="restore: the kept run's --max-new-tokens")
     args = p.parse_args(argv)
     if args.action == "keep":

@@ -76,16 +76,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Speculative decoding of each prompt with the target and the draft; prints tau "
         "(tokens per target forward) per category and over all prompts. Each finished prompt is saved to "
         f"DRAFT/{EVAL_PROGRESS_FILE}, so a rerun after Ctrl-C continues with the rest; the file is removed "
-        "when the run completes.",
+        "when the run completes. With --replay instead of --prompts, tau is replayed from the target's cached "
+        "greedy continuations and states: the same rounds, no target forward (docs/experiments.md).",
     )
     add_target_arguments(evaluate)
     evaluate.add_argument("--draft", required=True, help="EAGLE3 draft folder (config.json + model.safetensors)")
-    evaluate.add_argument("--prompts", required=True, help="JSONL with 'category' (Spec-Bench), text file, or folder")
+    source = evaluate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", help="JSONL with 'category' (Spec-Bench), text file, or folder")
+    source.add_argument("--replay", metavar="FOLDER",
+                        help="replay on the target's greedy continuations: an `elsi-fast regenerate` folder (or its "
+                        "conversations.jsonl) at temperature 0, with the target's states on them in FOLDER/states")
     evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt, >= 2 (default 48)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=None,
+                          help="tokens generated per prompt, >= 2 (default 48; a replay generates each continuation)")
     evaluate.add_argument("--max-prompts", type=positive_int, default=None, help="prompts per category (default: all)")
-    evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=256,
+    evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                           help="truncate prompts to this many tokens (default 256)")
+    evaluate.add_argument("--states", default=None,
+                          help="--replay: the feature cache of the target's states on the continuations "
+                          "(default FOLDER/states)")
+    evaluate.add_argument("--cache-layers", type=int, nargs="+", default=None,
+                          help="--replay: dump --states for these layers (the draft's or a superset) when absent or "
+                          "unfinished: the replay's only target forward")
+    evaluate.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
+                          help="--replay --cache-layers: precision of the dumped states (default float32: the "
+                          "rounds of live decoding exactly)")
     evaluate.add_argument("--draft-dtype", choices=NATIVE_WEIGHT_DTYPES, default=None,
                           help="native draft weights (int8/bf16 for memory-bound CPUs); an explicit value must "
                           "run natively (default: the draft's own precision, torch with a warning if not native)")
@@ -221,15 +236,27 @@ def eval_check(args: argparse.Namespace) -> None:
     check_device(args.device)
     if args.target_runtime is not None and args.device not in (None, "cpu"):
         raise UsageError(f"--target-runtime: the target runtime is CPU only, not --device {args.device}")
-    if not os.path.isfile(os.path.join(args.draft, "config.json")):
-        what = "has no config.json" if os.path.isdir(args.draft) else "no such folder"
-        raise UsageError(f"--draft: {what}: {args.draft}; give the --out folder of `elsi-fast train-draft`")
-    if args.max_new_tokens < 2:
-        raise UsageError(f"--max-new-tokens: must be >= 2 (one verification round), got {args.max_new_tokens}")
     if args.json is not None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(parent):
             raise UsageError(f"--json: cannot write a file at {args.json}; give a file path in an existing folder")
+    if not os.path.isfile(os.path.join(args.draft, "config.json")):
+        what = "has no config.json" if os.path.isdir(args.draft) else "no such folder"
+        raise UsageError(f"--draft: {what}: {args.draft}; give the --out folder of `elsi-fast train-draft`")
+    if args.replay is not None:
+        from .replay import check_replay
+
+        check_replay(args)
+        return
+    from .replay import REPLAY_ONLY
+
+    for name, option in REPLAY_ONLY.items():
+        if getattr(args, name) is not None:
+            raise UsageError(f"{option}: only a replay (--replay) reads cached states; drop {option}")
+    args.max_new_tokens = 48 if args.max_new_tokens is None else args.max_new_tokens
+    args.max_prompt_tokens = 256 if args.max_prompt_tokens is None else args.max_prompt_tokens
+    if args.max_new_tokens < 2:
+        raise UsageError(f"--max-new-tokens: must be >= 2 (one verification round), got {args.max_new_tokens}")
     args.prompt_list = _load_texts(args.prompts, "--prompts")
 
 
@@ -239,6 +266,10 @@ def _eval_progress_file(args: argparse.Namespace) -> str:
 
 
 def eval_interrupted(args: argparse.Namespace) -> str:
+    if args.replay is not None:
+        if args.cache_layers is not None:
+            return f"the states dumped so far are kept in {args.states}: rerun the same command to continue"
+        return "a replay keeps no progress: rerun the command"
     if os.path.isfile(_eval_progress_file(args)):
         return (f"the prompts finished so far are saved in {_eval_progress_file(args)}: rerun the same command to "
                 "continue with the rest")
@@ -252,6 +283,10 @@ def eval_handler(args: argparse.Namespace) -> int:
 
     from ..targets.target_runtime import accelerate, describe_target
 
+    if args.replay is not None:
+        from .replay import replay_handler
+
+        return replay_handler(args)
     model, tokenizer = load_target(args)
     if args.target_runtime is not None:
         try:

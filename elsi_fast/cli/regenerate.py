@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "A rerun with the same OUT continues with the prompts not yet answered (Ctrl-C finishes the batch under way).",
     )
     add_target_arguments(parser)
-    parser.add_argument("--prompts", required=True, help="prompts JSONL (e.g. train_instructions.jsonl), text file, or folder")
+    parser.add_argument("--prompts", required=True, nargs="+",
+                        help="prompts JSONL (e.g. train_instructions.jsonl), text file, or folder; several are "
+                        "answered in the order given (their prompt ids must not repeat)")
     parser.add_argument("--out", required=True, help=f"output folder ({CONVERSATIONS_FILE} and regenerate.json)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="answer length cap (default 256)")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=1024,
@@ -88,9 +90,12 @@ def check(args: argparse.Namespace) -> None:
     elif args.llama_server is not None:
         raise UsageError("--llama-server: only with --engine llama.cpp")
     try:
-        args.prompt_list = load_prompts(args.prompts, max_prompts=args.max_prompts)
+        args.prompt_list = [prompt for path in args.prompts for prompt in load_prompts(path)][: args.max_prompts]
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--prompts: {one_line(exc).removeprefix('prompts: ')}") from None
+    ids = [prompt.id for prompt in args.prompt_list if prompt.id is not None]
+    if len(args.prompts) > 1 and len(set(ids)) != len(ids):
+        raise UsageError("--prompts: the files' prompt ids repeat; each prompt needs its own id to be resumable")
     if args.restore is not None:
         if not os.path.isfile(args.restore):
             raise UsageError(f"--restore: no such file: {args.restore}")

@@ -170,3 +170,26 @@ def test_cli_restore_rebuilds_the_folder_and_continues(tmp_path, capsys):
     a = {r["id"]: r for r in regen.read_conversations(tmp_path / "a" / regen.CONVERSATIONS_FILE)}
     b = {r["id"]: r for r in regen.read_conversations(tmp_path / "b" / regen.CONVERSATIONS_FILE)}
     assert all(b[i] == a[i] for i in a)
+
+
+def test_cli_regenerate_answers_several_prompt_files_in_order_and_refuses_repeated_ids(tmp_path, capsys):
+    """`--prompts A B` answers A's prompts and then B's (a base target's data from two instruction sets);
+    ids that repeat across the files are refused before the target loads (exit 2, one line)."""
+    from elsi_fast.cli import main
+
+    target = tmp_path / "t"
+    TARGET.save_pretrained(target)
+    TOKENIZER.save_pretrained(target)
+    first, second, clash = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    first.write_text("".join(json.dumps({"question_id": i, "turns": [TEXTS[i][:30]]}) + "\n" for i in range(2)))
+    second.write_text("".join(json.dumps({"question_id": f"s{i}", "turns": [TEXTS[i + 2][:30]]}) + "\n" for i in range(2)))
+    clash.write_text(json.dumps({"question_id": 1, "turns": ["another prompt"]}) + "\n")
+    run = ["regenerate", "--target", str(target), "--max-new-tokens", "3", "--no-progress", "--out", str(tmp_path / "o")]
+    capsys.readouterr()
+    assert main(run + ["--prompts", str(first), str(clash)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--prompts: the files' prompt ids repeat" in err
+    assert not (tmp_path / "o").exists()
+    assert main(run + ["--prompts", str(first), str(second), "--max-prompts", "3"]) == 0
+    records = regen.read_conversations(tmp_path / "o" / regen.CONVERSATIONS_FILE)
+    assert {r["id"]: r["prompt"] for r in records} == {"0": TEXTS[0][:30], "1": TEXTS[1][:30], "s0": TEXTS[2][:30]}
