@@ -3,9 +3,9 @@
 The target runs on `targets.native_forward.NativeForward` (one native call per forward, the file's
 own quantized blocks; docs/native-target.md). Without --draft the tokens stream as they come; with
 --draft each prompt's text is printed when its speculative decoding ends (the tokens equal greedy
-decoding's). The end prints new tokens/s, tau with a draft, and the memory the target holds. --compare-greedy also runs plain
-greedy decoding on every prompt, interleaved, and checks that the outputs are equal (exit code 1
-if one differs).
+decoding's). The end prints new tokens/s, tau with a draft, and the memory the target holds.
+--compare-greedy also runs plain greedy decoding on every prompt, interleaved, and checks that the
+outputs are equal (exit code 1 if one differs).
 """
 
 from __future__ import annotations
