@@ -77,7 +77,8 @@ def llamacpp_greedy(path: Path, tokens: int, threads: int) -> tuple[float, dict]
            "-r", "1", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {last}")
     row = json.loads(done.stdout)[0]
     return float(row["avg_ts"]), {"build_commit": row.get("build_commit"), "build_number": row.get("build_number")}
 
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[tuple[str, int], dict[str, list[float]]] = {}
     prompts = chat_prompts(files[args.types[0]], args.prompts) if args.k else []
     capacity = max([args.tokens, args.context, *(len(p) + args.tokens + max(args.k) + 1 for p in prompts)]) + 8
-    models = {(k, t): NativeForward(p, capacity=capacity, num_threads=t) for k, p in files.items() for t in args.threads}
+    models = {(k, t): NativeForward(p, capacity=capacity, num_threads=t)
+              for k, p in files.items() for t in args.threads}
     drafts = {}
     if args.k:
         from elsi_fast.draft import Eagle3Draft
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {kind} {threads} threads: llama.cpp {ts:.1f}, native {s['native'][-1]:.1f} "
                   f"tokens/s; native verify 5 tokens {t5 / t1:.2f}x", flush=True)
     load = {"before": load_before, "after": os.getloadavg()}
-    baseline_name = f"llama.cpp {VERSION} (llama-cpp-python sdist; build {build.get('build_number')} {build.get('build_commit')}) llama-bench tg"
+    baseline_name = (f"llama.cpp {VERSION} (llama-cpp-python sdist; build {build.get('build_number')} "
+                     f"{build.get('build_commit')}) llama-bench tg")
     for (kind, threads), s in samples.items():
         ours, theirs = statistics.median(s["native"]), statistics.median(s["llama.cpp"])
         cost = statistics.median(s["t5_ms"]) / statistics.median(s["t1_ms"])

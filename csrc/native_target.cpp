@@ -45,7 +45,8 @@ void rope(float* x, int64_t n, int64_t heads, int64_t hd, int64_t pos0, const st
 
 }  // namespace
 
-NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weights) : config_(c), w_(std::move(weights)) {
+NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weights)
+    : config_(c), w_(std::move(weights)) {
   require(c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 && c.ffn > 0 && c.vocab > 0,
           "every dimension must be positive");
   require(c.heads % c.kv_heads == 0, "heads must be a multiple of kv_heads");

@@ -92,7 +92,8 @@ struct Kernels {
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
 };
 const Kernels kScalar{1, {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>}};
-const Kernels kAvx2{kMaxRows, {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>}};
+const Kernels kAvx2{kMaxRows,
+                    {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>}};
 const Kernels kAvx512{kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>}};
 
