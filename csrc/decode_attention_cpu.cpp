@@ -63,40 +63,16 @@ void weighted_scalar(const float* s, const float* values, const int64_t* idx, in
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA
-ELSI_RT_AVX2 inline float hsum8(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); below -87.3 it returns ~1e-38,
-// not 0, which next to the row maximum's exp(0) = 1 is nothing.
-ELSI_RT_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365448f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
-
 // One key's dot as every key gets it: two accumulators over alternate 8-column chunks (half the FMA
 // latency chain), their sum reduced, then the columns past the last 16 one by one.
-ELSI_RT_AVX2 inline float finish_dot8(__m256 acc0, __m256 acc1, const float* q, const float* key, int64_t c, int64_t hd) {
-  float dot = hsum8(_mm256_add_ps(acc0, acc1));
+ELSI_AVX2 inline float finish_dot8(__m256 acc0, __m256 acc1, const float* q, const float* key, int64_t c, int64_t hd) {
+  float dot = simd::hsum8(_mm256_add_ps(acc0, acc1));
   for (; c < hd; ++c) dot += q[c] * key[c];
   return dot;
 }
 
 // Four keys at a time share each load of q; the rest one by one, with the same arithmetic per key.
-ELSI_RT_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+ELSI_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                          float* s) {
   const int64_t body = hd / 16 * 16;
   int64_t i = 0;
@@ -130,20 +106,20 @@ ELSI_RT_AVX2 void dots_avx2(const float* q, const float* keys, const int64_t* id
   }
 }
 
-ELSI_RT_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
+ELSI_AVX2 float exp_sum_avx2(float* s, int64_t n, float top) {
   const __m256 shift = _mm256_set1_ps(top), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - i)), _CMP_LT_OQ);
-    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift)), live);
+    const __m256 e = _mm256_and_ps(simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift)), live);
     _mm256_storeu_ps(s + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return hsum8(sum);
+  return simd::hsum8(sum);
 }
 
 // Columns in blocks of up to 64 (8 accumulators in registers across all keys), then 8, then 1.
-ELSI_RT_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
+ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
                              float* out) {
   int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64) {
@@ -173,24 +149,7 @@ ELSI_RT_AVX2 void weighted_avx2(const float* s, const float* values, const int64
 }
 
 // ---------------------------------------------------------------- AVX-512
-ELSI_RT_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365448f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
-}
-
-ELSI_RT_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
+ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                              float* s) {
   for (int64_t i = 0; i < n; ++i) {
     const float* key = keys + (idx ? idx[i] : i) * hd;
@@ -210,19 +169,19 @@ ELSI_RT_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t
   }
 }
 
-ELSI_RT_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
+ELSI_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
   const __m512 shift = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 live = n - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift)));
+    const __m512 e = _mm512_maskz_mov_ps(live, simd::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift)));
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
   return _mm512_reduce_add_ps(sum);
 }
 
-ELSI_RT_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
+ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
                                  float inv, float* out) {
   int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64) {
@@ -265,6 +224,7 @@ void attend(void* ctx, int64_t item) {
   const DecodeAttention& a = *c.a;
   const int64_t h = item / a.rows, t = item % a.rows, hd = a.head_dim;
   const int64_t kv = h / (a.heads / a.kv_heads);
+  const int64_t kv_offset = kv * (a.kv_head_stride ? a.kv_head_stride : a.keys * hd);
   const bool* mask = a.mask ? a.mask + t * a.keys : nullptr;
   const int64_t end = !mask && a.causal ? a.keys - a.rows + t + 1 : a.keys;  // keys [0, end) may be seen
   thread_local std::vector<int64_t> idx;
@@ -283,11 +243,11 @@ void attend(void* ctx, int64_t item) {
     std::fill(out, out + hd, 0.f);
     return;
   }
-  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv * a.keys * hd, visible, n, hd, a.scale,
+  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv_offset, visible, n, hd, a.scale,
             s.data());
   const float top = *std::max_element(s.begin(), s.begin() + n);
   const float denom = c.k->exp_sum(s.data(), n, top);
-  c.k->weighted(s.data(), a.v + kv * a.keys * hd, visible, n, hd, 1.0f / denom, out);
+  c.k->weighted(s.data(), a.v + kv_offset, visible, n, hd, 1.0f / denom, out);
 }
 
 }  // namespace

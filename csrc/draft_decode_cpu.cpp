@@ -38,13 +38,11 @@
 #include <memory>
 #include <vector>
 
+#include "common/simd.h"
 #include "draft_decode.h"
 
 namespace elsi_fast {
 namespace {
-
-#define ELSI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma")))
-#define ELSI_AVX2 __attribute__((target("avx2,fma")))
 
 // Columns sharing one activation scale in int8 products. 256 * 32767 * 128 < 2^31: a block's
 // int32 sum cannot overflow.
@@ -148,12 +146,6 @@ ELSI_AVX2 inline __m256 load8(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-ELSI_AVX2 inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 // NR (1 or 4) rows at once with named accumulators: an accumulator array would live on the stack.
 template <typename T, int NR>
 ELSI_AVX2 void row_dots_avx2_n(const T* w, int64_t cols, const float* x, float* out) {
@@ -171,7 +163,7 @@ ELSI_AVX2 void row_dots_avx2_n(const T* w, int64_t cols, const float* x, float* 
   }
   const __m256 acc[4] = {a0, a1, a2, a3};
   for (int j = 0; j < NR; ++j) {
-    float sum = hsum8(acc[j]);
+    float sum = simd::hsum8(acc[j]);
     for (int64_t t = c; t < cols; ++t) sum += to_float(w[j * cols + t]) * x[t];
     out[j] = sum;
   }
@@ -200,7 +192,7 @@ ELSI_AVX2 void group_dots_avx2(const void* w, int64_t tiles, const GemvInput& x,
       a3 = _mm256_fmadd_ps(load8(p + 3 * C + c), xv, a3);
     }
   }
-  out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+  out[0] = simd::hsum8(a0), out[1] = simd::hsum8(a1), out[2] = simd::hsum8(a2), out[3] = simd::hsum8(a3);
 }
 
 // 16 int8 weights widened to int16 times 16 int16 inputs, pairwise summed into 8 int32 lanes.
@@ -229,7 +221,7 @@ ELSI_AVX2 void group_dots_i8_avx2(const void* w, int64_t tiles, const GemvInput&
     a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), scale, a2);
     a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s3), scale, a3);
   }
-  out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+  out[0] = simd::hsum8(a0), out[1] = simd::hsum8(a1), out[2] = simd::hsum8(a2), out[3] = simd::hsum8(a3);
 }
 
 // ---------------------------------------------------------------- AVX-512
@@ -398,7 +390,7 @@ bool cpu_has(const char* isa) {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
            __builtin_cpu_supports("fma");
   if (std::strcmp(isa, "avx2") == 0)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return std::strcmp(isa, "scalar") == 0;
 }
 

@@ -17,6 +17,9 @@
 #include "target_runtime.h"
 
 namespace elsi_fast {
+
+void bind_native_target(pybind11::module_& m);  // native_target_bind.cpp
+
 namespace {
 
 constexpr const char* kOp = "draft_decode_step";
@@ -397,4 +400,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("pack_rows") = elsi_fast::kPackRows;
   m.attr("pack_row_bytes") = elsi_fast::kPackRowBytes;
   m.attr("linear_max_rows") = elsi_fast::kLinearMaxRows;
+  elsi_fast::bind_native_target(m);
 }

@@ -23,7 +23,7 @@ void scale_scalar(const float* x, const float* weight, float inv, int64_t d, flo
   for (int64_t i = 0; i < d; ++i) y[i] = weight[i] * (x[i] * inv);
 }
 
-ELSI_RT_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
+ELSI_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
@@ -31,16 +31,13 @@ ELSI_RT_AVX2 float sum_squares_avx2(const float* x, int64_t d) {
     a0 = _mm256_fmadd_ps(v0, v0, a0);
     a1 = _mm256_fmadd_ps(v1, v1, a1);
   }
-  const __m256 a = _mm256_add_ps(a0, a1);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  float s = simd::hsum8(_mm256_add_ps(a0, a1));
   for (; i < d; ++i) s += x[i] * x[i];
   return s;
 }
 
 // Two roundings, as torch's two multiplications: no FMA here.
-ELSI_RT_AVX2 void scale_avx2(const float* x, const float* weight, float inv, int64_t d, float* y) {
+ELSI_AVX2 void scale_avx2(const float* x, const float* weight, float inv, int64_t d, float* y) {
   const __m256 iv = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= d; i += 8)

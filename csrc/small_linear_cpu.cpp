@@ -102,14 +102,8 @@ void pass_scalar(const void* w, int64_t tiles, const float* x, int64_t, int flag
 // ---------------------------------------------------------------- AVX2 + FMA
 // Accumulator arrays are indexed by loop counters that full unrolling turns into constants, so they
 // live in registers.
-ELSI_RT_AVX2 inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 template <int B>
-ELSI_RT_AVX2 inline void begin8(__m256 (&acc)[B][kRows], int flags, const float* state) {
+ELSI_AVX2 inline void begin8(__m256 (&acc)[B][kRows], int flags, const float* state) {
 #pragma GCC unroll 16
   for (int m = 0; m < B; ++m)
 #pragma GCC unroll 4
@@ -118,20 +112,20 @@ ELSI_RT_AVX2 inline void begin8(__m256 (&acc)[B][kRows], int flags, const float*
 }
 
 template <int B>
-ELSI_RT_AVX2 inline void end8(__m256 (&acc)[B][kRows], int flags, float* state, float* out) {
+ELSI_AVX2 inline void end8(__m256 (&acc)[B][kRows], int flags, float* state, float* out) {
 #pragma GCC unroll 16
   for (int m = 0; m < B; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < kRows; ++j) {
       if (flags & kLast)
-        out[m * kRows + j] = hsum8(acc[m][j]);
+        out[m * kRows + j] = simd::hsum8(acc[m][j]);
       else
         _mm256_store_ps(state + (m * kRows + j) * 8, acc[m][j]);
     }
 }
 
 template <int B>
-ELSI_RT_AVX2 void pass_f32_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
+ELSI_AVX2 void pass_f32_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
                              float* out) {
   const float* p = static_cast<const float*>(w);
   __m256 acc[B][kRows];
@@ -159,7 +153,7 @@ ELSI_RT_AVX2 void pass_f32_avx2(const void* w, int64_t tiles, const float* x, in
 }
 
 template <int B>
-ELSI_RT_AVX2 void pass_bf16_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
+ELSI_AVX2 void pass_bf16_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
                               float* out) {
   const uint16_t* p = static_cast<const uint16_t*>(w);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -194,7 +188,7 @@ ELSI_RT_AVX2 void pass_bf16_avx2(const void* w, int64_t tiles, const float* x, i
 }
 
 template <int B>
-ELSI_RT_AVX2 void pass_i8_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
+ELSI_AVX2 void pass_i8_avx2(const void* w, int64_t tiles, const float* x, int64_t stride, int flags, float* state,
                             float* out) {
   const int8_t* p = static_cast<const int8_t*>(w);
   __m256 acc[B][kRows];
@@ -223,7 +217,7 @@ ELSI_RT_AVX2 void pass_i8_avx2(const void* w, int64_t tiles, const float* x, int
 
 // ---------------------------------------------------------------- AVX-512
 template <int B>
-ELSI_RT_AVX512 inline void begin16(__m512 (&acc)[B][kRows], int flags, const float* state) {
+ELSI_AVX512 inline void begin16(__m512 (&acc)[B][kRows], int flags, const float* state) {
 #pragma GCC unroll 16
   for (int m = 0; m < B; ++m)
 #pragma GCC unroll 4
@@ -232,7 +226,7 @@ ELSI_RT_AVX512 inline void begin16(__m512 (&acc)[B][kRows], int flags, const flo
 }
 
 template <int B>
-ELSI_RT_AVX512 inline void end16(__m512 (&acc)[B][kRows], int flags, float* state, float* out) {
+ELSI_AVX512 inline void end16(__m512 (&acc)[B][kRows], int flags, float* state, float* out) {
 #pragma GCC unroll 16
   for (int m = 0; m < B; ++m)
 #pragma GCC unroll 4
@@ -245,7 +239,7 @@ ELSI_RT_AVX512 inline void end16(__m512 (&acc)[B][kRows], int flags, float* stat
 }
 
 template <int B>
-ELSI_RT_AVX512 void pass_f32_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
+ELSI_AVX512 void pass_f32_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
                                  float* state, float* out) {
   const float* p = static_cast<const float*>(w);
   __m512 acc[B][kRows];
@@ -280,7 +274,7 @@ void prep_bf16_avx512(const float* x, int64_t cols, int64_t padded, float* out) 
 }
 
 template <int B>
-ELSI_RT_AVX512 void pass_bf16_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
+ELSI_AVX512 void pass_bf16_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
                                   float* state, float* out) {
   const uint16_t* p = static_cast<const uint16_t*>(w);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -312,7 +306,7 @@ ELSI_RT_AVX512 void pass_bf16_avx512(const void* w, int64_t tiles, const float* 
 }
 
 template <int B>
-ELSI_RT_AVX512 void pass_i8_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
+ELSI_AVX512 void pass_i8_avx512(const void* w, int64_t tiles, const float* x, int64_t stride, int flags,
                                 float* state, float* out) {
   const int8_t* p = static_cast<const int8_t*>(w);
   __m512 acc[B][kRows];

@@ -8,12 +8,9 @@
 
 #include <cstdint>
 
+#include "common/simd.h"
 #include "draft_decode.h"
 
-// Function attributes of the runtime's instruction-set paths (picked at run time by cpu_isa(); the
-// draft step's AVX-512 path also needs VNNI and BF16, the runtime's does not).
-#define ELSI_RT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define ELSI_RT_AVX2 __attribute__((target("avx2,fma")))
 
 namespace elsi_fast {
 
@@ -48,8 +45,9 @@ struct DecodeAttention {
   const float* q;          // q[h, t, :] at q + h * q_head_stride + t * q_row_stride
   int64_t q_head_stride;
   int64_t q_row_stride;
-  const float* k;          // [kv_heads, keys, head_dim] contiguous
-  const float* v;          // [kv_heads, keys, head_dim] contiguous
+  const float* k;          // [kv_heads, keys, head_dim], rows contiguous
+  const float* v;          // [kv_heads, keys, head_dim], rows contiguous
+  int64_t kv_head_stride;  // floats between two KV heads of k and v (a cache's capacity); 0: keys * head_dim
   const bool* mask;        // [rows, keys] or null
   bool causal;
   int64_t heads;

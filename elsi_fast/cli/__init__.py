@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-_SUBCOMMAND_MODULES = ("analyze", "regenerate", "draft", "serve", "demo", "experiment")
+_SUBCOMMAND_MODULES = ("analyze", "regenerate", "draft", "serve", "generate", "demo", "experiment")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 

@@ -231,6 +231,18 @@ def _cached_folder(path: Path) -> Path | None:
     return folder if (folder / _DEQUANTIZED_MARKER).is_file() else None
 
 
+def gguf_tokenizer(gguf_path: str | os.PathLike):
+    """The tokenizer of a GGUF file: from its dequantized folder when the cache holds one (fast), else
+    transformers' GGUF reader (parses the vocabulary arrays, seconds)."""
+    from transformers import AutoTokenizer
+
+    path = Path(gguf_path)
+    cached = _cached_folder(path)
+    if cached is not None:
+        return AutoTokenizer.from_pretrained(str(cached))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def dequantized_folder(gguf_path: str | os.PathLike, argument: str = "model", *, progress: bool = True) -> Path:
     """The GGUF file as a plain transformers folder in float32 (exact: quantized values are
     scale x integer), written once into the cache and checked to reload to the same logits.

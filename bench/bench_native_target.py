@@ -1,0 +1,223 @@
+"""Greedy decoding speed of the native GGUF forward against llama.cpp on the same file.
+
+Contenders, on each GGUF file and thread count, interleaved round by round (each round runs every
+contender once; medians over --rounds):
+  llama.cpp   llama-bench's tg test (-p 0 -n --tokens -r 1: a fresh context, --tokens one-token
+              decodes), its tokens/s;
+  native      `elsi_fast.targets.native_forward.NativeForward`: one BOS token, then --tokens greedy
+              one-token forwards (logits of the row, argmax in numpy), wall time.
+  native+draft  the kept SmolLM2 ELSI m=1 draft (--draft) at each --k with the target on the native
+              forward (`decoding.native_target.native_speculative_generate`, native draft steps) on
+              --prompts chat instructions, --tokens new tokens each; its tokens are checked equal
+              to the native greedy tokens of the same prompt, timed in the same round.
+Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
+into the cache). Also the native forward's verify cost: a 5-token forward (k = 4 drafted tokens)
+against a 1-token forward at --context positions, each rolled back.
+  -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
+     greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
+                                             threads (ratio = native / llama.cpp; TARGET >= 1.0)
+     verify_cost/<type>/threads=<t>/T=5      t(5 tokens) / t(1 token) of the native forward
+     draft_tokens_per_s/<type>/threads=<t>/k=<k>
+                                             native+draft; baseline llama.cpp's greedy (TARGET >= 1.5)
+Every row holds all samples and the load average: on a shared machine only rows from quiet cores
+are a verdict (--no-record for a smoke run).
+
+Run from the repository root: `python -m bench.bench_native_target [--rounds 5] [--tokens 128] [--threads 1 2]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import cpu_model, record
+from bench.integration.llamacpp import VERSION, binary
+from elsi_fast._infra.cache import cache_root
+from elsi_fast.targets import catalog
+from elsi_fast.targets.gguf_requantize import requantize_gguf
+from elsi_fast.decoding.native_target import native_greedy_generate, native_speculative_generate, target_embedding
+from elsi_fast.targets.native_forward import NativeForward
+
+RESULTS_FILE = "native_target_cpu"
+BENCHMARK = "native_target_decode"
+TARGET = "smollm2-135m-instruct"
+BOS = 1
+DRAFT = Path(__file__).resolve().parent / "results" / "drafts" / TARGET / "elsi-m1-11"
+# Chat instructions of several kinds (none from Spec-Bench or MT-bench).
+INSTRUCTIONS = (
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a refrigerator keeps food cold.",
+    "Give me three tips for writing a clear email to a colleague.",
+    "What is the difference between weather and climate?",
+)
+
+
+def gguf_files(types: list[str]) -> dict[str, Path]:
+    """The package's Q4_1 file, and the other types re-rounded from it into the cache (once)."""
+    source = catalog.resolve(TARGET)
+    files = {}
+    for kind in types:
+        if kind == "Q4_1":
+            files[kind] = source
+            continue
+        path = cache_root() / "models" / source.name.replace("Q4_1", kind)
+        files[kind] = path if path.is_file() else requantize_gguf(source, path, kind)
+    return files
+
+
+def llamacpp_greedy(path: Path, tokens: int, threads: int) -> tuple[float, dict]:
+    cmd = [str(binary("llama-bench")), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(tokens),
+           "-r", "1", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {last}")
+    row = json.loads(done.stdout)[0]
+    return float(row["avg_ts"]), {"build_commit": row.get("build_commit"), "build_number": row.get("build_number")}
+
+
+def native_greedy(model: NativeForward, tokens: int) -> float:
+    model.reset()
+    token = int(np.argmax(model.forward([BOS])[0][0]))
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = int(np.argmax(model.forward([token])[0][0]))
+    return tokens / (time.perf_counter() - start)
+
+
+def native_verify_cost(model: NativeForward, context: int, reps: int) -> tuple[float, float]:
+    """Median ms of a 1-token and a 5-token forward (all rows' logits) at `context` positions."""
+    model.reset()
+    model.prefill(np.arange(context) % 1000 + 100)
+    times: dict[int, list[float]] = {1: [], 5: []}
+    for _ in range(reps):
+        for t in (1, 5):
+            start = time.perf_counter()
+            model.forward(np.arange(t) + 200)
+            times[t].append(1000 * (time.perf_counter() - start))
+            model.rollback(context)
+    return statistics.median(times[1]), statistics.median(times[5])
+
+
+def chat_prompts(path: Path, count: int) -> list[list[int]]:
+    from elsi_fast.targets.loading import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(path)
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]) for text in INSTRUCTIONS[:count]]
+
+
+def native_draft_round(model: NativeForward, draft, prompts: list[list[int]], tokens: int, ks: list[int]) -> dict:
+    """New tokens/s of native greedy and native+draft at each k over the prompts; tau; equality."""
+    import torch
+
+    out: dict = {"greedy_s": 0.0, "k": {k: {"s": 0.0, "accepted": 0, "rounds": 0} for k in ks}, "equal": True,
+                 "new_tokens": 0}
+    for ids in prompts:
+        start = time.perf_counter()
+        greedy = native_greedy_generate(model, torch.tensor(ids), tokens)
+        out["greedy_s"] += time.perf_counter() - start
+        out["new_tokens"] += len(greedy)
+        for k in ks:
+            start = time.perf_counter()
+            spec = native_speculative_generate(model, draft, torch.tensor(ids), tokens, k)
+            out["k"][k]["s"] += time.perf_counter() - start
+            out["k"][k]["accepted"] += sum(spec.accepted_lengths)
+            out["k"][k]["rounds"] += spec.rounds
+            out["equal"] &= bool(torch.equal(spec.tokens, greedy))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0"], choices=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--context", type=int, default=128, help="KV positions of the verify-cost forwards")
+    parser.add_argument("--k", nargs="*", type=int, default=[1, 2, 3], help="draft lengths (none: no draft rows)")
+    parser.add_argument("--prompts", type=int, default=4, help=f"chat instructions (at most {len(INSTRUCTIONS)})")
+    parser.add_argument("--draft", type=Path, default=DRAFT)
+    parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
+    args = parser.parse_args(argv)
+
+    files = gguf_files(args.types)
+    load_before = os.getloadavg()
+    samples: dict[tuple[str, int], dict[str, list[float]]] = {}
+    prompts = chat_prompts(files[args.types[0]], args.prompts) if args.k else []
+    capacity = max([args.tokens, args.context, *(len(p) + args.tokens + max(args.k) + 1 for p in prompts)]) + 8
+    models = {(k, t): NativeForward(p, capacity=capacity, num_threads=t)
+              for k, p in files.items() for t in args.threads}
+    drafts = {}
+    if args.k:
+        from elsi_fast.draft import Eagle3Draft
+
+        for kind in files:
+            embed = target_embedding(next(m for (k, _), m in models.items() if k == kind))
+            drafts[kind] = Eagle3Draft.from_pretrained(args.draft, embed_tokens=embed)
+    build: dict = {}
+    for r in range(args.rounds):
+        for (kind, threads), model in models.items():
+            s = samples.setdefault((kind, threads), {"llama.cpp": [], "native": [], "t1_ms": [], "t5_ms": [],
+                                                     "chat_greedy": [], **{f"draft_k={k}": [] for k in args.k},
+                                                     "tau": {k: [0, 0] for k in args.k}, "equal": True})
+            ts, build = llamacpp_greedy(files[kind], args.tokens, threads)
+            s["llama.cpp"].append(ts)
+            s["native"].append(native_greedy(model, args.tokens))
+            t1, t5 = native_verify_cost(model, args.context, reps=5)
+            s["t1_ms"].append(t1)
+            s["t5_ms"].append(t5)
+            if args.k:
+                d = native_draft_round(model, drafts[kind], prompts, args.tokens, args.k)
+                s["chat_greedy"].append(d["new_tokens"] / d["greedy_s"])
+                for k in args.k:
+                    s[f"draft_k={k}"].append(d["new_tokens"] / d["k"][k]["s"])
+                    s["tau"][k][0] += d["k"][k]["accepted"] + d["k"][k]["rounds"]
+                    s["tau"][k][1] += d["k"][k]["rounds"]
+                s["equal"] &= d["equal"]
+                print("  native greedy on chat prompts {:.1f} tokens/s; with the draft {} (tokens equal: {})".format(
+                    s["chat_greedy"][-1], ", ".join(f"k={k} {s[f'draft_k={k}'][-1]:.1f}" for k in args.k), d["equal"]),
+                    flush=True)
+            print(f"round {r + 1} {kind} {threads} threads: llama.cpp {ts:.1f}, native {s['native'][-1]:.1f} "
+                  f"tokens/s; native verify 5 tokens {t5 / t1:.2f}x", flush=True)
+    load = {"before": load_before, "after": os.getloadavg()}
+    baseline_name = (f"llama.cpp {VERSION} (llama-cpp-python sdist; build {build.get('build_number')} "
+                     f"{build.get('build_commit')}) llama-bench tg")
+    for (kind, threads), s in samples.items():
+        ours, theirs = statistics.median(s["native"]), statistics.median(s["llama.cpp"])
+        cost = statistics.median(s["t5_ms"]) / statistics.median(s["t1_ms"])
+        print(f"{kind} threads={threads}: native {ours:.1f} tokens/s, llama.cpp {theirs:.1f} ({ours / theirs:.2f}x); "
+              f"verify T=5 costs {cost:.2f}x T=1", flush=True)
+        for k in args.k:
+            value = statistics.median(s[f"draft_k={k}"])
+            print(f"  with the draft at k={k}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's greedy), "
+                  f"tau {s['tau'][k][0] / s['tau'][k][1]:.3f}, tokens equal to native greedy: {s['equal']}", flush=True)
+        if args.no_record:
+            continue
+        device = f"{cpu_model()} ({threads} threads)"
+        params = {"file": files[kind].name, "type": kind, "threads": threads, "tokens": args.tokens,
+                  "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name}
+        record(RESULTS_FILE, BENCHMARK, f"greedy_tokens_per_s/{kind}/threads={threads}", ours, "tokens/s",
+               device=device, baseline=theirs, ratio=ours / theirs, params=params)
+        record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,
+               baseline=statistics.median(s["t1_ms"]), ratio=cost, params={**params, "context": args.context})
+        for k in args.k:
+            value = statistics.median(s[f"draft_k={k}"])
+            tau = s["tau"][k][0] / s["tau"][k][1]
+            record(RESULTS_FILE, BENCHMARK, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", value, "tokens/s",
+                   device=device, baseline=theirs, ratio=value / theirs,
+                   params={**params, "draft": str(args.draft.name), "k": k, "tau": tau, "prompts": args.prompts,
+                           "native_chat_greedy_tokens_per_s": statistics.median(s["chat_greedy"]),
+                           "tokens_equal_native_greedy": s["equal"]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+// The fused forward of native_target.h: transformers' Llama decoder (RMSNorm, attention with RoPE
+// and GQA, SiLU-gated MLP, final norm, head) on GGUF blocks, with the target runtime's kernels
+// (RMSNorm, decode attention, the thread pool) and quant_linear's products.
+
+#include "native_target.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "target_runtime.h"
+
+namespace elsi_fast {
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("NativeTarget: " + message);
+}
+
+void check_matrix(const QuantMatrix& m, int64_t rows, int64_t cols, const char* name) {
+  require(m.data != nullptr && m.rows == rows && m.cols == cols,
+          std::string(name) + " must be [" + std::to_string(rows) + ", " + std::to_string(cols) + "], got [" +
+              std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]");
+}
+
+// Rotates pairs (2i, 2i+1) of every head of the n rows of x [n, heads * hd] at positions pos0 + t.
+void rope(float* x, int64_t n, int64_t heads, int64_t hd, int64_t pos0, const std::vector<float>& inv_freq) {
+  std::vector<float> cos_t(hd / 2), sin_t(hd / 2);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < hd / 2; ++i) {
+      const float angle = static_cast<float>(pos0 + t) * inv_freq[i];
+      cos_t[i] = std::cos(angle), sin_t[i] = std::sin(angle);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (t * heads + h) * hd;
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        const float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * cos_t[i] - b * sin_t[i];
+        v[2 * i + 1] = b * cos_t[i] + a * sin_t[i];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weights)
+    : config_(c), w_(std::move(weights)) {
+  require(c.layers > 0 && c.hidden > 0 && c.heads > 0 && c.kv_heads > 0 && c.ffn > 0 && c.vocab > 0,
+          "every dimension must be positive");
+  require(c.heads % c.kv_heads == 0, "heads must be a multiple of kv_heads");
+  require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be even");
+  require(c.capacity > 0, "capacity must be positive");
+  require(static_cast<int64_t>(w_.layers.size()) == c.layers, "one weight set per layer");
+  require(static_cast<int64_t>(w_.inv_freq.size()) == c.head_dim / 2, "inv_freq must hold head_dim / 2 values");
+  const int64_t d = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+  check_matrix(w_.embed, c.vocab, d, "embed");
+  check_matrix(w_.head, c.vocab, d, "head");
+  for (const NativeLayer& l : w_.layers) {
+    check_matrix(l.q, qd, d, "attn_q"), check_matrix(l.k, kvd, d, "attn_k"), check_matrix(l.v, kvd, d, "attn_v");
+    check_matrix(l.o, d, qd, "attn_output");
+    check_matrix(l.gate, c.ffn, d, "ffn_gate"), check_matrix(l.up, c.ffn, d, "ffn_up");
+    check_matrix(l.down, d, c.ffn, "ffn_down");
+    require(l.attn_norm && l.ffn_norm, "every layer needs its two norms");
+  }
+  require(w_.final_norm != nullptr, "the final norm is missing");
+  k_cache_.assign(c.layers * c.kv_heads * c.capacity * c.head_dim, 0.f);
+  v_cache_.assign(k_cache_.size(), 0.f);
+  const int64_t rows = kLinearMaxRows;
+  h_.resize(rows * d), xn_.resize(rows * std::max(d, qd)), q_.resize(rows * qd), k_.resize(rows * kvd);
+  v_.resize(rows * kvd), att_.resize(rows * qd), proj_.resize(rows * d), gate_.resize(rows * c.ffn);
+  up_.resize(rows * c.ffn);
+}
+
+void NativeTarget::rollback(int64_t position) {
+  require(position >= 0 && position <= length_, "rollback to " + std::to_string(position) + " outside [0, " +
+                                                    std::to_string(length_) + "]");
+  length_ = position;
+}
+
+void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads) {
+  const NativeTargetConfig& c = config_;
+  const int64_t d = c.hidden, hd = c.head_dim, kvd = c.kv_heads * hd;
+  rms_norm_cpu(h_.data(), w.attn_norm, n, d, c.eps, xn_.data());
+  quantize_input(xn_.data(), n, d, xq_);
+  const QuantMatrix qkv[3] = {w.q, w.k, w.v};
+  float* const outs[3] = {q_.data(), k_.data(), v_.data()};
+  quant_linear_cpu(qkv, outs, 3, xq_, num_threads);
+  rope(q_.data(), n, c.heads, hd, length_, w_.inv_freq);
+  rope(k_.data(), n, c.kv_heads, hd, length_, w_.inv_freq);
+  const int64_t layer_offset = layer * c.kv_heads * c.capacity * hd;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < c.kv_heads; ++g) {
+      const int64_t slot = layer_offset + (g * c.capacity + length_ + t) * hd;
+      std::copy_n(k_.data() + t * kvd + g * hd, hd, k_cache_.data() + slot);
+      std::copy_n(v_.data() + t * kvd + g * hd, hd, v_cache_.data() + slot);
+    }
+  DecodeAttention a{};
+  a.q = q_.data();
+  a.q_head_stride = hd;
+  a.q_row_stride = c.heads * hd;
+  a.k = k_cache_.data() + layer_offset;
+  a.v = v_cache_.data() + layer_offset;
+  a.kv_head_stride = c.capacity * hd;
+  a.causal = true;
+  a.heads = c.heads;
+  a.kv_heads = c.kv_heads;
+  a.rows = n;
+  a.keys = length_ + n;
+  a.head_dim = hd;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  a.out = att_.data();
+  decode_attention_cpu(a, num_threads);
+  quantize_input(att_.data(), n, c.heads * hd, xq_);
+  float* const proj[1] = {proj_.data()};
+  quant_linear_cpu(&w.o, proj, 1, xq_, num_threads);
+  for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
+}
+
+void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
+  const NativeTargetConfig& c = config_;
+  const int64_t d = c.hidden;
+  rms_norm_cpu(h_.data(), w.ffn_norm, n, d, c.eps, xn_.data());
+  quantize_input(xn_.data(), n, d, xq_);
+  const QuantMatrix gate_up[2] = {w.gate, w.up};
+  float* const outs[2] = {gate_.data(), up_.data()};
+  quant_linear_cpu(gate_up, outs, 2, xq_, num_threads);
+  for (int64_t i = 0; i < n * c.ffn; ++i) {
+    const float g = gate_[i];
+    gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+  }
+  quantize_input(gate_.data(), n, c.ffn, xq_);
+  float* const proj[1] = {proj_.data()};
+  quant_linear_cpu(&w.down, proj, 1, xq_, num_threads);
+  for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
+}
+
+void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* logit_rows, int64_t n_logits,
+                           float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads) {
+  const NativeTargetConfig& c = config_;
+  const int64_t d = c.hidden;
+  require(n >= 1 && n <= kLinearMaxRows,
+          "a forward takes 1.." + std::to_string(kLinearMaxRows) + " tokens, got " + std::to_string(n));
+  require(length_ + n <= c.capacity, "context of " + std::to_string(length_ + n) +
+                                         " tokens is past the KV cache capacity of " + std::to_string(c.capacity));
+  for (int64_t t = 0; t < n; ++t)
+    require(tokens[t] >= 0 && tokens[t] < c.vocab,
+            "token " + std::to_string(tokens[t]) + " outside the vocabulary of " + std::to_string(c.vocab));
+  for (int64_t i = 0; i < n_logits; ++i)
+    require(logit_rows[i] >= 0 && logit_rows[i] < n, "logit row " + std::to_string(logit_rows[i]) + " outside [0, " +
+                                                         std::to_string(n) + ")");
+  for (int64_t i = 0; i < n_aux; ++i)
+    require(aux_layers[i] >= 0 && aux_layers[i] <= c.layers, "aux layer " + std::to_string(aux_layers[i]) +
+                                                                 " outside [0, " + std::to_string(c.layers) + "]");
+  auto capture = [&](int64_t l) {
+    for (int64_t i = 0; i < n_aux; ++i)
+      if (aux_layers[i] == l)
+        for (int64_t t = 0; t < n; ++t) std::copy_n(h_.data() + t * d, d, aux + (t * n_aux + i) * d);
+  };
+  for (int64_t t = 0; t < n; ++t) dequantize_row(w_.embed, tokens[t], h_.data() + t * d);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    capture(l);
+    attention_block(w_.layers[l], l, n, num_threads);
+    mlp_block(w_.layers[l], n, num_threads);
+  }
+  capture(c.layers);
+  length_ += n;
+  if (n_logits == 0) return;
+  for (int64_t i = 0; i < n_logits; ++i)
+    rms_norm_cpu(h_.data() + logit_rows[i] * d, w_.final_norm, 1, d, c.eps, xn_.data() + i * d);
+  quantize_input(xn_.data(), n_logits, d, xq_);
+  float* const out[1] = {logits};
+  quant_linear_cpu(&w_.head, out, 1, xq_, num_threads);
+}
+
+}  // namespace elsi_fast

@@ -1,0 +1,78 @@
+// The fused native forward of a Llama-family target (docs/native-target.md): one call runs the
+// whole decoder stack for 1..kLinearMaxRows new tokens on GGUF-quantized weights (quant_linear.h)
+// and a KV cache this object owns. No torch headers.
+//
+// Every step computes a token row in an order that does not depend on the other rows, so a verify
+// forward of k+1 tokens gives exactly the logits of k+1 one-token forwards.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "quant_linear.h"
+
+namespace elsi_fast {
+
+struct NativeTargetConfig {
+  int64_t layers;
+  int64_t hidden;     // d
+  int64_t heads;      // H
+  int64_t kv_heads;   // H_kv, H % H_kv == 0
+  int64_t head_dim;   // even
+  int64_t ffn;        // MLP width
+  int64_t vocab;
+  int64_t capacity;   // KV cache positions
+  float eps;          // RMSNorm epsilon
+};
+
+// Weights as the GGUF file holds them. q and k rows are in the file's RoPE layout: llama.cpp's
+// converter permutes each head's rows so that rotating pairs (2i, 2i+1) equals transformers'
+// rotate_half on the original rows; attention scores do not see the permutation.
+struct NativeLayer {
+  const float* attn_norm;  // [d]
+  QuantMatrix q, k, v, o;  // [H hd, d], [H_kv hd, d], [H_kv hd, d], [d, H hd]
+  const float* ffn_norm;   // [d]
+  QuantMatrix gate, up, down;  // [ffn, d], [ffn, d], [d, ffn]
+};
+
+struct NativeTargetWeights {
+  QuantMatrix embed;  // [vocab, d]
+  std::vector<NativeLayer> layers;
+  const float* final_norm;  // [d]
+  QuantMatrix head;         // [vocab, d] (the embedding when tied)
+  std::vector<float> inv_freq;  // [head_dim / 2]: angle of pair i at position p = float(p) * inv_freq[i]
+};
+
+class NativeTarget {
+ public:
+  NativeTarget(const NativeTargetConfig& config, NativeTargetWeights weights);
+
+  // Positions held in the KV cache.
+  int64_t length() const { return length_; }
+  const NativeTargetConfig& config() const { return config_; }
+  // Forgets positions [position, length()) (draft tokens the verify rejected).
+  void rollback(int64_t position);
+
+  // Appends n (1..kLinearMaxRows) tokens at positions length() .. length() + n - 1.
+  //   logits [n_logits, vocab] for the token rows logit_rows[0..n_logits) (after the final norm);
+  //   aux    [n, n_aux, d]: hidden state h_l for l = aux_layers[i] (h_0 the embeddings, h_l the
+  //          input of block l, h_layers the last block's output before the final norm).
+  // Throws std::invalid_argument on a token outside the vocabulary, a row or layer out of range or
+  // a context past the capacity (nothing is appended then).
+  void forward(const int64_t* tokens, int64_t n, const int64_t* logit_rows, int64_t n_logits, float* logits,
+               const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads);
+
+ private:
+  void attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
+  void mlp_block(const NativeLayer& w, int64_t n, int num_threads);
+
+  NativeTargetConfig config_;
+  NativeTargetWeights w_;
+  int64_t length_ = 0;
+  std::vector<float> k_cache_, v_cache_;  // [layers, H_kv, capacity, hd]
+  // Scratch of one forward, sized for kLinearMaxRows rows.
+  std::vector<float> h_, xn_, q_, k_, v_, att_, proj_, gate_, up_;
+  QuantInput xq_;
+};
+
+}  // namespace elsi_fast

@@ -1,0 +1,147 @@
+// Python bindings of the GGUF products (quant_linear.h) and the fused forward (native_target.h) on
+// numpy arrays: the weights stay the file's memory map, held alive by the bound object. The GIL is
+// released while the kernels run. elsi_fast/targets/native_forward.py is the public wrapper.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "native_target.h"
+#include "target_runtime.h"
+
+namespace py = pybind11;
+
+namespace elsi_fast {
+namespace {
+
+using Bytes = py::array_t<uint8_t, py::array::c_style>;
+using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using Ids = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// (ggml type id, uint8 array [rows, row bytes], rows, cols) as a QuantMatrix over the array.
+QuantMatrix to_matrix(const py::tuple& t, py::list& keep) {
+  if (t.size() != 4) throw std::invalid_argument("a matrix is (ggml type, uint8 blocks, rows, cols)");
+  const int32_t type = t[0].cast<int32_t>();
+  Bytes data = t[1].cast<Bytes>();
+  const int64_t rows = t[2].cast<int64_t>(), cols = t[3].cast<int64_t>();
+  const int64_t block = ggml_block_bytes(type);
+  if (block == 0) throw std::invalid_argument("ggml type " + std::to_string(type) + " is not supported");
+  if (cols % kQuantBlock != 0 || static_cast<int64_t>(data.size()) != rows * (cols / kQuantBlock) * block)
+    throw std::invalid_argument("blocks of " + std::to_string(data.size()) + " bytes do not hold a [" +
+                                std::to_string(rows) + ", " + std::to_string(cols) + "] matrix of ggml type " +
+                                std::to_string(type));
+  keep.append(data);
+  return {static_cast<GgmlType>(type), data.data(), rows, cols};
+}
+
+const float* to_floats(const py::object& o, int64_t size, const char* name, py::list& keep) {
+  Floats a = o.cast<Floats>();
+  if (static_cast<int64_t>(a.size()) != size)
+    throw std::invalid_argument(std::string(name) + " must hold " + std::to_string(size) + " floats");
+  keep.append(a);
+  return a.data();
+}
+
+struct BoundTarget {
+  py::list keep;  // the arrays the weights point into
+  std::unique_ptr<NativeTarget> target;
+};
+
+std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& embed, const py::tuple& head,
+                                         const py::object& final_norm, const py::object& inv_freq,
+                                         const py::list& layers) {
+  auto bound = std::make_unique<BoundTarget>();
+  NativeTargetConfig c{dims["layers"].cast<int64_t>(),   dims["hidden"].cast<int64_t>(),
+                       dims["heads"].cast<int64_t>(),    dims["kv_heads"].cast<int64_t>(),
+                       dims["head_dim"].cast<int64_t>(), dims["ffn"].cast<int64_t>(),
+                       dims["vocab"].cast<int64_t>(),    dims["capacity"].cast<int64_t>(),
+                       dims["eps"].cast<float>()};
+  NativeTargetWeights w;
+  w.embed = to_matrix(embed, bound->keep);
+  w.head = to_matrix(head, bound->keep);
+  w.final_norm = to_floats(final_norm, c.hidden, "final_norm", bound->keep);
+  Floats freq = inv_freq.cast<Floats>();
+  w.inv_freq.assign(freq.data(), freq.data() + freq.size());
+  for (const py::handle& item : layers) {
+    const py::dict l = item.cast<py::dict>();
+    NativeLayer nl{};
+    nl.attn_norm = to_floats(l["attn_norm"], c.hidden, "attn_norm", bound->keep);
+    nl.ffn_norm = to_floats(l["ffn_norm"], c.hidden, "ffn_norm", bound->keep);
+    nl.q = to_matrix(l["attn_q"], bound->keep), nl.k = to_matrix(l["attn_k"], bound->keep);
+    nl.v = to_matrix(l["attn_v"], bound->keep), nl.o = to_matrix(l["attn_output"], bound->keep);
+    nl.gate = to_matrix(l["ffn_gate"], bound->keep), nl.up = to_matrix(l["ffn_up"], bound->keep);
+    nl.down = to_matrix(l["ffn_down"], bound->keep);
+    w.layers.push_back(nl);
+  }
+  bound->target = std::make_unique<NativeTarget>(c, std::move(w));
+  return bound;
+}
+
+py::tuple forward(BoundTarget& b, const Ids& tokens, const Ids& logit_rows, const Ids& aux_layers, int num_threads) {
+  const NativeTargetConfig& c = b.target->config();
+  const int64_t n = tokens.size(), n_logits = logit_rows.size(), n_aux = aux_layers.size();
+  py::array_t<float> logits({n_logits, c.vocab}), aux({n, n_aux, c.hidden});
+  float* lp = logits.mutable_data();
+  float* ap = aux.mutable_data();
+  {
+    py::gil_scoped_release release;
+    b.target->forward(tokens.data(), n, logit_rows.data(), n_logits, lp, aux_layers.data(), n_aux, ap, num_threads);
+  }
+  return py::make_tuple(logits, aux);
+}
+
+// x [rows, cols] times each matrix: a list of [rows, matrix rows] arrays (tests and benchmarks).
+py::list quant_linear(const py::list& mats, const Floats& x, int num_threads) {
+  if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D [rows, cols]");
+  py::list keep, result;
+  std::vector<QuantMatrix> ms;
+  std::vector<float*> ys;
+  for (const py::handle& m : mats) ms.push_back(to_matrix(m.cast<py::tuple>(), keep));
+  for (const QuantMatrix& m : ms) {
+    py::array_t<float> y({static_cast<int64_t>(x.shape(0)), m.rows});
+    ys.push_back(y.mutable_data());
+    result.append(y);
+  }
+  QuantInput q;
+  {
+    py::gil_scoped_release release;
+    quantize_input(x.data(), x.shape(0), x.shape(1), q);
+    quant_linear_cpu(ms.data(), ys.data(), static_cast<int>(ms.size()), q, num_threads);
+  }
+  return result;
+}
+
+// The int8 blocks, scales and scaled sums quantize_input gives x [rows, cols].
+py::tuple quantize(const Floats& x) {
+  if (x.ndim() != 2 || x.shape(1) % kQuantBlock != 0)
+    throw std::invalid_argument("x must be [rows, cols] with cols a multiple of 32");
+  QuantInput q;
+  quantize_input(x.data(), x.shape(0), x.shape(1), q);
+  const int64_t rows = x.shape(0), nb = x.shape(1) / kQuantBlock;
+  py::array_t<int8_t> qa({rows, static_cast<int64_t>(x.shape(1))});
+  py::array_t<float> da({rows, nb}), sa({rows, nb});
+  std::copy(q.q.begin(), q.q.end(), qa.mutable_data());
+  std::copy(q.d.begin(), q.d.end(), da.mutable_data());
+  std::copy(q.s.begin(), q.s.end(), sa.mutable_data());
+  return py::make_tuple(qa, da, sa);
+}
+
+}  // namespace
+
+void bind_native_target(py::module_& m) {
+  py::class_<BoundTarget>(m, "NativeTarget")
+      .def(py::init(&make_target), py::arg("dims"), py::arg("embed"), py::arg("head"), py::arg("final_norm"),
+           py::arg("inv_freq"), py::arg("layers"))
+      .def("forward", &forward, py::arg("tokens"), py::arg("logit_rows"), py::arg("aux_layers"),
+           py::arg("num_threads"))
+      .def("rollback", [](BoundTarget& b, int64_t position) { b.target->rollback(position); })
+      .def_property_readonly("length", [](const BoundTarget& b) { return b.target->length(); });
+  m.def("quant_linear", &quant_linear, py::arg("mats"), py::arg("x"), py::arg("num_threads"));
+  m.def("quantize_input", &quantize, py::arg("x"));
+}
+
+}  // namespace elsi_fast

@@ -1,0 +1,52 @@
+// Small-batch products with weights in GGUF's own quantized blocks (docs/native-target.md).
+//
+// A weight row is a run of 32-column blocks exactly as the GGUF file stores it (no repacking, no
+// dequantization): Q8_0 (fp16 scale d, 32 int8), Q4_0 (d, 16 bytes of nibbles, value (q - 8) d),
+// Q4_1 (d, fp16 minimum m, 16 bytes of nibbles, value q d + m). In a block's 16 nibble bytes, byte
+// j holds column j in its low nibble and column j + 16 in its high one. The input is quantized per
+// 32-column block to int8 with one fp32 scale (QuantInput), each block product is an exact integer
+// sum, and the block results accumulate in fp32 in block order. A token row's result never depends
+// on how many rows share the call, so a verify of k+1 tokens equals k+1 one-token products.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace elsi_fast {
+
+// ggml's type ids, as the GGUF file names them.
+enum class GgmlType : int32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+constexpr int64_t kQuantBlock = 32;
+
+// Bytes of one 32-column block of `type`; 0 for a type this file does not know.
+int64_t ggml_block_bytes(int32_t type);
+
+// W [rows, cols] (cols a multiple of kQuantBlock), rows of cols / 32 blocks back to back.
+struct QuantMatrix {
+  GgmlType type;
+  const uint8_t* data;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_bytes() const { return cols / kQuantBlock * ggml_block_bytes(static_cast<int32_t>(type)); }
+};
+
+// `rows` input rows quantized per 32-column block: q = round-half-even(x / d), d = max|x| / 127.
+struct QuantInput {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<int8_t> q;  // [rows, cols]
+  std::vector<float> d;   // [rows, cols / 32] scales
+  std::vector<float> s;   // [rows, cols / 32] d * sum(q) (Q4_1's minimum multiplies it)
+  std::vector<float> s8;  // s by groups of 8 rows, [ceil(rows / 8), cols / 32, 8], zero padded
+};
+
+void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out);
+
+// ys[i] [x.rows, mats[i].rows] = x mats[i]^T for i < n, one job on the thread pool (products that
+// share an input, as Q, K and V do, share a job). Quantized matrices only; cols must match x.cols.
+void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads);
+
+// One row of W as fp32 (an embedding lookup); F32 and F16 rows too.
+void dequantize_row(const QuantMatrix& m, int64_t row, float* out);
+
+}  // namespace elsi_fast

@@ -1,0 +1,213 @@
+// Products with GGUF-quantized weights (quant_linear.h): one kernel per (instruction set, block
+// type, input rows), picked at run time by cpu_isa() like the other CPU kernels.
+//
+// Decode at batch 1 is memory-bound: a weight row is read once for all input rows (up to
+// kMaxRows at a time; more rows take further passes over the row, from L1). Work items are runs
+// of consecutive weight rows of about kChunkBytes, so each thread streams memory sequentially.
+// Per input row and block the AVX2 kernel costs about as much as reading the block (a load, two
+// multiply-adds, a conversion, the scale and an FMA), so extra rows are not free: a 5-row product
+// costs about 2.3x a 1-row one (docs/native-target.md).
+
+// GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include "quant_linear.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "common/simd.h"
+#include "target_runtime.h"
+
+namespace elsi_fast {
+namespace {
+
+constexpr int kMaxRows = 8;
+// Software prefetch distance along the weight stream (a chunk's rows lie back to back): on a 2-core
+// Zen 3 it took a 1-row product from 10.8 to 8.8 ms CPU time over SmolLM2's Q4_1 layers.
+constexpr int64_t kPrefetchBytes = 4096;
+// One weight row times B input rows from m0: out[m] (quant_dots.inc).
+using DotsFn = void (*)(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out);
+
+// ---------------------------------------------------------------- scalar fallback
+inline float half_bits(const uint8_t* p) { return simd::fp16_to_fp32(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+
+// Weight q of column c of a block (integer part; Q4_1's minimum is added separately).
+template <GgmlType T>
+inline int32_t weight_at(const uint8_t* block, int64_t c) {
+  if constexpr (T == GgmlType::kQ8_0) return static_cast<int8_t>(block[2 + c]);
+  const uint8_t byte = block[(T == GgmlType::kQ4_1 ? 4 : 2) + c % 16];
+  const int32_t q = c < 16 ? byte & 0x0F : byte >> 4;
+  return T == GgmlType::kQ4_0 ? q - 8 : q;
+}
+
+template <GgmlType T>
+void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
+  constexpr int64_t kBytes = T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18;
+  const int64_t nb = x.cols / kQuantBlock;
+  float acc = 0.f, mins = 0.f;
+  for (int64_t b = 0; b < blocks; ++b, w += kBytes) {
+    const int8_t* xq = x.q.data() + m0 * x.cols + b * kQuantBlock;
+    int32_t sum = 0;
+    for (int64_t c = 0; c < kQuantBlock; ++c) sum += weight_at<T>(w, c) * xq[c];
+    acc += half_bits(w) * x.d[m0 * nb + b] * static_cast<float>(sum);
+    if constexpr (T == GgmlType::kQ4_1) mins += half_bits(w + 2) * x.s[m0 * nb + b];
+  }
+  out[0] = acc + mins;
+}
+
+template <GgmlType T>
+constexpr DotsFn kScalarDots[kMaxRows + 1] = {nullptr, dots_scalar<T>};
+
+// ---------------------------------------------------------------- AVX2 (+ FMA, F16C)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define ELSI_DOT_U8S8(u, s) simd::dot_u8s8_avx2(u, s)
+#include "quant_dots.inc"
+#undef ELSI_DOT_U8S8
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- AVX-512 VNNI (256-bit vectors)
+// The products are as wide as a block; VNNI fuses the two AVX2 multiply-adds into one.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
+namespace avx512 {
+#define ELSI_DOT_U8S8(u, s) simd::dot_u8s8_vnni(u, s)
+#include "quant_dots.inc"
+#undef ELSI_DOT_U8S8
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------- dispatch
+struct Kernels {
+  int block;  // most input rows per call
+  const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
+};
+const Kernels kScalar{1, {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>}};
+const Kernels kAvx2{kMaxRows,
+                    {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>}};
+const Kernels kAvx512{kMaxRows,
+                      {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>}};
+
+const Kernels& active_kernels() {
+  const char* isa = cpu_isa();
+  if (std::strcmp(isa, "avx512") == 0) return kAvx512;
+  if (std::strcmp(isa, "avx2") == 0) return kAvx2;
+  return kScalar;
+}
+
+int type_slot(GgmlType t) {
+  switch (t) {
+    case GgmlType::kQ4_0: return 0;
+    case GgmlType::kQ4_1: return 1;
+    case GgmlType::kQ8_0: return 2;
+    default: throw std::invalid_argument("quant_linear: weight type " + std::to_string(static_cast<int>(t)) +
+                                         " is not Q4_0, Q4_1 or Q8_0");
+  }
+}
+
+// Chunks of about this many weight bytes: small enough that a preempted helper holds back little,
+// large enough that claiming one is cheap next to reading it.
+constexpr int64_t kChunkBytes = 32 << 10;
+
+struct Chunk {
+  int mat;
+  int64_t row0, row1;
+};
+
+struct Call {
+  const QuantMatrix* mats;
+  float* const* ys;
+  const QuantInput* x;
+  const Kernels* k;
+  std::vector<Chunk> chunks;
+};
+
+void run_chunk(void* ctx, int64_t i) {
+  const Call& c = *static_cast<const Call*>(ctx);
+  const Chunk& ch = c.chunks[i];
+  const QuantMatrix& w = c.mats[ch.mat];
+  const DotsFn* dots = c.k->dots[type_slot(w.type)];
+  const int64_t row_bytes = w.row_bytes(), blocks = w.cols / kQuantBlock, rows = c.x->rows;
+  float out[kMaxRows];
+  for (int64_t r = ch.row0; r < ch.row1; ++r)
+    for (int64_t m0 = 0; m0 < rows; m0 += c.k->block) {
+      const int b = static_cast<int>(std::min<int64_t>(c.k->block, rows - m0));
+      dots[b](w.data + r * row_bytes, blocks, *c.x, m0, out);
+      for (int m = 0; m < b; ++m) c.ys[ch.mat][(m0 + m) * w.rows + r] = out[m];
+    }
+}
+
+}  // namespace
+
+int64_t ggml_block_bytes(int32_t type) {
+  switch (static_cast<GgmlType>(type)) {
+    case GgmlType::kF32: return 4 * kQuantBlock;
+    case GgmlType::kF16: return 2 * kQuantBlock;
+    case GgmlType::kQ4_0: return 18;
+    case GgmlType::kQ4_1: return 20;
+    case GgmlType::kQ8_0: return 34;
+  }
+  return 0;
+}
+
+void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out) {
+  const int64_t nb = cols / kQuantBlock;
+  out.rows = rows, out.cols = cols;
+  out.q.resize(rows * cols), out.d.resize(rows * nb), out.s.resize(rows * nb);
+  out.s8.assign((rows + kMaxRows - 1) / kMaxRows * nb * kMaxRows, 0.f);
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    const float* xb = x + i * kQuantBlock;
+    float amax = 0.f;
+    for (int64_t c = 0; c < kQuantBlock; ++c) amax = std::max(amax, std::fabs(xb[c]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t c = 0; c < kQuantBlock; ++c) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[c] * inv));
+      out.q[i * kQuantBlock + c] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    out.d[i] = d;
+    out.s[i] = d * static_cast<float>(sum);
+    const int64_t row = i / nb, b = i % nb;
+    out.s8[(row / kMaxRows * nb + b) * kMaxRows + row % kMaxRows] = out.s[i];
+  }
+}
+
+void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads) {
+  Call call{mats, ys, &x, &active_kernels(), {}};
+  for (int i = 0; i < n; ++i) {
+    type_slot(mats[i].type);
+    if (mats[i].cols != x.cols)
+      throw std::invalid_argument("quant_linear: weight has " + std::to_string(mats[i].cols) + " columns, input " +
+                                  std::to_string(x.cols));
+    const int64_t step = std::max<int64_t>(1, kChunkBytes / mats[i].row_bytes());
+    for (int64_t r = 0; r < mats[i].rows; r += step) call.chunks.push_back({i, r, std::min(mats[i].rows, r + step)});
+  }
+  run_parallel(num_threads, static_cast<int64_t>(call.chunks.size()), run_chunk, &call);
+}
+
+void dequantize_row(const QuantMatrix& m, int64_t row, float* out) {
+  const uint8_t* p = m.data + row * m.row_bytes();
+  const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type));
+  for (int64_t b = 0; b < m.cols / kQuantBlock; ++b, p += bytes, out += kQuantBlock)
+    for (int64_t c = 0; c < kQuantBlock; ++c) switch (m.type) {
+        case GgmlType::kF32: std::memcpy(out + c, p + 4 * c, 4); break;
+        case GgmlType::kF16: out[c] = half_bits(p + 2 * c); break;
+        case GgmlType::kQ4_0: out[c] = half_bits(p) * static_cast<float>(weight_at<GgmlType::kQ4_0>(p, c)); break;
+        case GgmlType::kQ4_1:
+          out[c] = half_bits(p) * static_cast<float>(weight_at<GgmlType::kQ4_1>(p, c)) + half_bits(p + 2);
+          break;
+        case GgmlType::kQ8_0: out[c] = half_bits(p) * static_cast<float>(weight_at<GgmlType::kQ8_0>(p, c)); break;
+      }
+}
+
+}  // namespace elsi_fast

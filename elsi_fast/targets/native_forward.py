@@ -1,0 +1,118 @@
+"""The fused native forward of a GGUF target: one C++ call per forward (docs/native-target.md).
+
+`NativeForward(path)` maps a Llama-family GGUF file (`gguf_weights.read_llama_gguf`) and builds the
+native model over its blocks: embedding lookup, RMSNorm, Q/K/V with RoPE, GQA attention over a KV
+cache the native object owns, the SiLU-gated MLP, the final norm and the head, on the target
+runtime's thread pool, with no Python between blocks. Each call appends 1..`MAX_ROWS` tokens to
+the cache and returns the logits of the rows asked for and the hidden states h_l of the layers
+asked for (h_0 the embeddings, h_l the input of block l; docs/ conventions of DESIGN's layer
+indexing). `rollback(position)` forgets rejected draft tokens. Each token row is computed in an
+order that does not depend on the other rows, so a verify of k+1 tokens gives exactly the logits
+of k+1 one-token forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .._infra._extension import _C, IMPORT_ERROR
+from .gguf_weights import LlamaGguf, read_llama_gguf
+
+MAX_ROWS = 8  # csrc/target_runtime.h, kLinearMaxRows
+DEFAULT_CAPACITY = 4096
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """transformers' default RoPE inverse frequencies, in its float32 arithmetic: [head_dim / 2]."""
+    import torch
+
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    return (1.0 / (theta**exponents)).numpy().astype(np.float32)
+
+
+class NativeForward:
+    """A GGUF target's decoder on native kernels with its own KV cache of `capacity` positions."""
+
+    def __init__(self, model: str | Path | LlamaGguf, capacity: int = DEFAULT_CAPACITY, num_threads: int = 1) -> None:
+        if _C is None:
+            raise RuntimeError(f"the native forward needs the compiled extension: {IMPORT_ERROR}")
+        if capacity < 1:
+            raise ValueError(f"capacity: must be positive, got {capacity}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads: must be positive, got {num_threads}")
+        self.weights = model if isinstance(model, LlamaGguf) else read_llama_gguf(model)
+        w = self.weights
+        self.capacity = capacity
+        self.num_threads = num_threads
+        dims = dict(layers=w.layers, hidden=w.hidden, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
+                    ffn=w.ffn, vocab=w.vocab, capacity=capacity, eps=w.eps)
+        layers = [{k: (v.as_native() if hasattr(v, "as_native") else v) for k, v in b.items()} for b in w.blocks]
+        self._native = _C.NativeTarget(dims, w.embed.as_native(), w.head.as_native(), w.final_norm,
+                                       rope_inv_freq(w.head_dim, w.rope_theta), layers)
+
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return self._native.length
+
+    def kv_cache_bytes(self) -> int:
+        w = self.weights
+        return 2 * 4 * w.layers * w.kv_heads * self.capacity * w.head_dim
+
+    def rollback(self, position: int) -> None:
+        """Keeps positions [0, position) of the KV cache."""
+        if not 0 <= position <= self.length:
+            raise ValueError(f"position: {position} is outside [0, {self.length}]")
+        self._native.rollback(position)
+
+    def reset(self) -> None:
+        self._native.rollback(0)
+
+    def forward(
+        self, tokens: Sequence[int] | np.ndarray, logit_rows: Sequence[int] | None = None,
+        aux_layers: Sequence[int] = (),
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Appends tokens [n] (1..MAX_ROWS) and returns (logits [len(logit_rows), vocab] fp32 for the rows
+        asked for (default: every row), aux [n, len(aux_layers), hidden] fp32)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.shape[0]
+        if not 1 <= n <= MAX_ROWS:
+            raise ValueError(f"tokens: a forward takes 1..{MAX_ROWS} tokens, got {n}")
+        if self.length + n > self.capacity:
+            raise ValueError(
+                f"tokens: a context of {self.length + n} tokens is past the KV cache capacity of {self.capacity}"
+            )
+        bad = tokens[(tokens < 0) | (tokens >= self.weights.vocab)]
+        if bad.size:
+            raise ValueError(f"tokens: id {int(bad[0])} is outside the vocabulary of {self.weights.vocab}")
+        rows = np.arange(n, dtype=np.int64) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
+        layers = np.asarray(aux_layers, dtype=np.int64)
+        if layers.size and (layers.min() < 0 or layers.max() > self.weights.layers):
+            raise ValueError(f"aux_layers: ids must lie in [0, {self.weights.layers}], got {list(aux_layers)}")
+        return self._native.forward(tokens, rows, layers, self.num_threads)
+
+    def prefill(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Appends any number of tokens in forwards of MAX_ROWS; returns the last token's logits [vocab]."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("tokens: the prompt is empty")
+        logits = None
+        for start in range(0, tokens.size, MAX_ROWS):
+            chunk = tokens[start:start + MAX_ROWS]
+            last = start + chunk.size == tokens.size
+            logits, _ = self.forward(chunk, [chunk.size - 1] if last else [])
+        return logits[0]
+
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()) -> list[int]:
+        """Greedy decoding from an empty cache: the new token ids (stopping after a `stop` id)."""
+        self.reset()
+        token = int(np.argmax(self.prefill(prompt)))
+        out = [token]
+        while len(out) < max_new_tokens and token not in stop:
+            logits, _ = self.forward([token])
+            token = int(np.argmax(logits[0]))
+            out.append(token)
+        return out

@@ -1,0 +1,62 @@
+"""`elsi-fast generate`: greedy text from SmolLM2's GGUF on the native forward, speculative decoding
+with the kept draft equal to greedy decoding (--compare-greedy), and bad input refused with one line
+and exit code 2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elsi_fast._infra._extension import _C
+from elsi_fast.cli import EXIT_USAGE, main
+from elsi_fast.targets import catalog
+
+pytest.importorskip("gguf")
+KEPT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "drafts",
+                          "smollm2-135m-instruct", "elsi-m1-11")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if _C is None:
+        pytest.skip("native extension not built")
+    try:
+        return str(catalog.resolve("smollm2-135m-instruct"))
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
+    assert main(["generate", "--target", smollm2, "--prompt", "What is the capital of France?",
+                 "--max-new-tokens", "12", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "### What is the capital of France?" in out and "Paris" in out
+    assert "1 prompts," in out and "tokens/s (1 threads)" in out
+    assert "memory: weights 92 MiB as mapped from the file, KV cache " in out
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('Name three colors.\n\n{"prompt": "Count to five."}\n')
+    assert main(["generate", "--target", smollm2, "--draft", KEPT_DRAFT, "--prompts", str(prompts), "-k", "2",
+                 "--max-new-tokens", "16", "--compare-greedy", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("### ") == 2 and "draft k=2, tau " in out
+    assert "outputs equal on 2 of 2 prompts" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--compare-greedy"], "--compare-greedy: needs --draft"),
+    (["--prompts", "/no/such/file"], "--prompts: no such file: /no/such/file"),
+    (["--prompt", "x", "--draft", "/no/such/folder"], "--draft: /no/such/folder has no config.json"),
+])
+def test_bad_input_is_one_line_and_exit_2(smollm2, argv, message, capsys):
+    assert main(["generate", "--target", smollm2, *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elsi-fast generate: error: ") and message in err and "\n" not in err
+
+
+def test_a_non_gguf_target_is_refused(tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+    assert main(["generate", "--target", str(folder), "--prompt", "x"]) == EXIT_USAGE
+    assert "--target: the native forward reads a .gguf file" in capsys.readouterr().err

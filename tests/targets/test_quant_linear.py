@@ -1,0 +1,101 @@
+"""GGUF block products (csrc/quant_linear.h) against float64 references: the weights dequantized by
+the gguf package (an independent decoder of the blocks), the input quantized as the kernels document
+it (re-derived here in numpy); rows bitwise independent of how many share a call, on every
+instruction-set path this CPU has."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from elsi_fast._infra._extension import _C
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
+
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+# (rows, cols): one block, odd row counts, a row wider than a chunk's share of rows.
+SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536)]
+
+
+def make_matrix(rows: int, cols: int, name: str, seed: int) -> tuple[tuple, np.ndarray]:
+    """A random matrix in GGUF blocks of `name` and its float64 value as gguf decodes the blocks."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[name]
+    blocks = np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+    dense = gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    assert dense.shape == (rows, cols)
+    return (TYPES[name], blocks, rows, cols), dense
+
+
+def quantized_input(x: np.ndarray) -> np.ndarray:
+    """x as the kernels quantize it, dequantized, in float64: per 32 columns d = max|x| / 127 (fp32)
+    and q = round half to even of x * (1 / d)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+def test_input_quantization_matches_its_definition():
+    x = np.random.default_rng(1).standard_normal((3, 96)).astype(np.float32)
+    x[1, :32] = 0  # an all-zero block: scale 0, codes 0
+    q, d, s = _C.quantize_input(x)
+    deq = (q.astype(np.float64).reshape(3, -1, 32) * d[..., None]).reshape(3, 96)
+    np.testing.assert_array_equal(deq, quantized_input(x))
+    assert np.abs(q).max() <= 127 and d[1, 0] == 0
+    np.testing.assert_allclose(s, d * q.reshape(3, -1, 32).sum(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_products_match_float64(name, shape, cpu_isa):
+    rows, cols = shape
+    matrix, dense = make_matrix(rows, cols, name, seed=rows * cols)
+    rng = np.random.default_rng(rows)
+    for n in (1, 3, 8, 11):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        (y,) = _C.quant_linear([matrix], x, 2)
+        ref = quantized_input(x) @ dense.T
+        # fp32 accumulation of exact block sums: error far below one unit of the terms' magnitude
+        bound = 1e-5 * (np.abs(quantized_input(x)) @ np.abs(dense).T)
+        assert y.shape == (n, rows) and y.dtype == np.float32
+        assert np.all(np.abs(y - ref) <= bound + 1e-6), (n, float(np.abs(y - ref).max()))
+        # and close to the unquantized input's product (the input's int8 rounding only)
+        exact = x.astype(np.float64) @ dense.T
+        assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_rows_are_bitwise_independent(name, cpu_isa):
+    matrix, _ = make_matrix(301, 608, name, seed=5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((9, 608)).astype(np.float32)
+    alone = np.concatenate([_C.quant_linear([matrix], x[i:i + 1], 1)[0] for i in range(9)])
+    for n in range(2, 10):
+        for threads in (1, 2):
+            (y,) = _C.quant_linear([matrix], x[:n], threads)
+            np.testing.assert_array_equal(y, alone[:n])
+
+
+def test_matrices_sharing_an_input_equal_separate_calls():
+    a, _ = make_matrix(64, 96, "Q4_1", seed=1)
+    b, _ = make_matrix(31, 96, "Q8_0", seed=2)
+    x = np.random.default_rng(3).standard_normal((4, 96)).astype(np.float32)
+    ya, yb = _C.quant_linear([a, b], x, 2)
+    np.testing.assert_array_equal(ya, _C.quant_linear([a], x, 1)[0])
+    np.testing.assert_array_equal(yb, _C.quant_linear([b], x, 1)[0])
+
+
+def test_bad_matrices_raise_one_clear_error():
+    x = np.zeros((1, 64), np.float32)
+    f16 = (1, np.zeros((2, 128), np.uint8), 2, 64)
+    with pytest.raises(ValueError, match="weight type 1 is not Q4_0, Q4_1 or Q8_0"):
+        _C.quant_linear([f16], x, 1)
+    with pytest.raises(ValueError, match="ggml type 12 is not supported"):
+        _C.quant_linear([(12, np.zeros((2, 288), np.uint8), 2, 64)], x, 1)
+    with pytest.raises(ValueError, match="do not hold a \\[3, 64\\] matrix"):
+        _C.quant_linear([(8, np.zeros((2, 68), np.uint8), 3, 64)], x, 1)
+    with pytest.raises(ValueError, match="weight has 64 columns, input 32"):
+        _C.quant_linear([(8, np.zeros((2, 68), np.uint8), 2, 64)], np.zeros((1, 32), np.float32), 1)
