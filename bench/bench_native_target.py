@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
               for k, p in files.items() for t in args.threads}
     drafts = {}
     if args.k:
-        from elsi_fast.draft import Eagle3Draft
+        from elsi_fast.draft import read_draft
 
         for kind in files:
             embed = target_embedding(next(m for (k, _), m in models.items() if k == kind))
-            drafts[kind] = Eagle3Draft.from_pretrained(args.draft, embed_tokens=embed)
+            drafts[kind] = read_draft(args.draft, embed_tokens=embed)
     build: dict = {}
     for r in range(args.rounds):
         for (kind, threads), model in models.items():

@@ -158,10 +158,13 @@ def spread_over_categories(prompts: list[Prompt], n: int) -> list[Prompt]:
 def prompts_by_category(prompts: list[Prompt], tokenizer: Any, max_prompts: int | None = None,
                         max_tokens: int | None = None) -> dict[str, list[list[int]]]:
     """Token ids of `prompts` (see `encode_prompt`), grouped by their category ("text" when none):
-    at most `max_prompts` per category, each truncated to `max_tokens`."""
+    at most `max_prompts` per category, each cut to its last `max_tokens` tokens (as `regenerate`
+    cuts them): the end of a prompt is what the answer continues, and a chat prompt's end is the
+    generation prompt, without which the model goes on writing the user's turn."""
     grouped: dict[str, list[list[int]]] = {}
     for prompt in prompts:
-        ids = encode_prompt(prompt, tokenizer)[:max_tokens]
+        ids = encode_prompt(prompt, tokenizer)
+        ids = ids[-max_tokens:] if max_tokens is not None else ids
         bucket = grouped.setdefault(prompt.category or "text", [])
         if max_prompts is None or len(bucket) < max_prompts:
             bucket.append(ids)

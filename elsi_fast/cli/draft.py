@@ -88,7 +88,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "conversations.jsonl) at temperature 0, with the target's states on them in FOLDER/states")
     evaluate.add_argument("--k", type=positive_int, default=4, help="draft tokens per round (default 4)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None,
-                          help="tokens generated per prompt, >= 2 (default 48; a replay generates each continuation)")
+                          help="most tokens generated per prompt, >= 2; an answer stops after the target's end-of-turn "
+                          "or end-of-sequence token (default 48; a replay generates each continuation)")
+    evaluate.add_argument("--ignore-eos", action="store_const", const=True, default=None,
+                          help="generate all --max-new-tokens, past the end of the answer, as throughput benchmarks "
+                          "do (the text after the end is no answer, and tau there is not a served draft's)")
     evaluate.add_argument("--max-prompts", type=positive_int, default=None, help="prompts per category (default: all)")
     evaluate.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                           help="truncate prompts to this many tokens (default 256)")
@@ -280,6 +284,7 @@ def eval_handler(args: argparse.Namespace) -> int:
     from ..analysis.prompts import prompts_by_category
     from ..decoding.evaluation import pooled_tau, speculative_runs
     from ..draft.formats import read_draft
+    from ..targets.loading import stop_token_ids
     from ..targets.target_runtime import accelerate, describe_target
 
     if args.replay is not None:
@@ -296,8 +301,9 @@ def eval_handler(args: argparse.Namespace) -> int:
                        device=model.device).eval()
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
     progress_file = _eval_progress_file(args) if os.access(args.draft, os.W_OK) else None
+    stops = None if args.ignore_eos else stop_token_ids(model, tokenizer)
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
-                            draft_dtype=args.draft_dtype, draft_backend=args.draft_backend,
+                            draft_dtype=args.draft_dtype, draft_backend=args.draft_backend, eos_token_id=stops,
                             progress=not args.no_progress, state_path=progress_file)
     taus = pooled_tau(runs)
     results = [result for per_prompt in runs.values() for result in per_prompt]
@@ -314,7 +320,7 @@ def eval_handler(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
-                       "max_new_tokens": args.max_new_tokens, "tau": taus, "draft_backend": backend,
+                       "max_new_tokens": args.max_new_tokens, "stop_ids": stops, "tau": taus, "draft_backend": backend,
                        "draft_calls": draft_calls, "target_backend": describe_target(model)}, f, indent=1)
     if progress_file is not None:
         os.remove(progress_file)

@@ -97,9 +97,9 @@ def handler(args: argparse.Namespace) -> int:
     native = NativeForward(args.target_path, capacity=capacity, num_threads=args.threads)
     draft = None
     if args.draft is not None:
-        from ..draft import Eagle3Draft
+        from ..draft import read_draft
 
-        draft = Eagle3Draft.from_pretrained(args.draft, embed_tokens=target_embedding(native))
+        draft = read_draft(args.draft, embed_tokens=target_embedding(native))
     eos = tokenizer.eos_token_id
     totals = {"tokens": 0, "seconds": 0.0, "greedy_seconds": 0.0, "accepted": 0, "rounds": 0}
     differ = 0

@@ -27,7 +27,7 @@ STATES_FOLDER = "states"
 META_FILE = "meta.json"  # elsi_fast.training.feature_cache.META_FILE
 # Options of live decoding only (--prompts itself is exclusive with --replay in the parser).
 LIVE_ONLY = {"target_runtime": "--target-runtime", "max_new_tokens": "--max-new-tokens",
-             "max_prompt_tokens": "--max-prompt-tokens"}
+             "max_prompt_tokens": "--max-prompt-tokens", "ignore_eos": "--ignore-eos"}
 REPLAY_ONLY = {"states": "--states", "cache_layers": "--cache-layers"}
 
 

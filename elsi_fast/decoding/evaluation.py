@@ -29,7 +29,7 @@ import torch
 
 from .speculative import (
     ReplayTarget, SpecResult, _draft_path, draft_positions_needed, native_decoder_for, speculative_generate,
-    speculative_loop,
+    speculative_loop, stop_set,
 )
 from ..training.training_data import Sample
 
@@ -43,10 +43,15 @@ def speculative_runs(
     max_new_tokens: int = 48,
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
+    eos_token_id: int | Sequence[int] | None = None,
     progress: bool = False,
     state_path: str | os.PathLike | None = None,
 ) -> dict[str, list[SpecResult]]:
     """`speculative_generate` on every prompt: category -> one `SpecResult` per prompt.
+
+    eos_token_id: the ids an answer ends with (`targets.loading.stop_token_ids`): each prompt
+    stops after the first, as a served answer does; None generates all `max_new_tokens` (past the
+    end of the answer, text no chat ever shows, which a draft trained on answers predicts poorly).
 
     The draft path is chosen once (`spec.native_decoder_for`; draft_dtype / draft_backend as in
     `speculative_generate`), so int8 weights are quantized once and auto mode warns at most once.
@@ -61,7 +66,9 @@ def speculative_runs(
     jobs = [(cat, torch.as_tensor(ids, dtype=torch.long)) for cat, prompts in prompts_by_category.items()
             for ids in prompts]
     runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
-    log = _ResultLog(state_path, _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend))
+    stops = sorted(stop_set(eos_token_id))
+    log = _ResultLog(state_path, _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend,
+                                                   stops))
     done = log.load()
     longest = max((ids.numel() for _, ids in jobs), default=1)
     decoder = None
@@ -73,20 +80,21 @@ def speculative_runs(
         if index < len(done):
             result = done[index]
         elif decoder is not None:
-            result = speculative_generate(target, decoder, ids, max_new_tokens, k)
+            result = speculative_generate(target, decoder, ids, max_new_tokens, k, eos_token_id=stops)
         else:
-            result = speculative_generate(target, draft, ids, max_new_tokens, k, draft_backend="torch")
+            result = speculative_generate(target, draft, ids, max_new_tokens, k, eos_token_id=stops,
+                                          draft_backend="torch")
         if index >= len(done):
             log.append(result)
         runs[category].append(result)
     return runs
 
 
-def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend) -> str:
+def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend, stops) -> str:
     """What decides the results of speculative_runs: settings, prompts, the draft's weights, and the
     target's config and embeddings (hashing all of a large target's weights would take too long)."""
     digest = hashlib.sha256(json.dumps([k, max_new_tokens, draft_dtype, draft_backend,
-                                        [(cat, ids.tolist()) for cat, ids in jobs]]).encode())
+                                        [(cat, ids.tolist()) for cat, ids in jobs]] + ([stops] if stops else [])).encode())
     digest.update(target.config.to_json_string().encode())
     tensors = [*draft.state_dict().values(), target.get_input_embeddings().weight]
     head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None

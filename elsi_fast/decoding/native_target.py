@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..targets.native_forward import MAX_ROWS, NativeForward
-from .speculative import SpecResult, _check_inputs, _draft_path, draft_positions_needed, speculative_loop
+from .speculative import SpecResult, _check_inputs, _draft_path, draft_positions_needed, speculative_loop, stop_set
 
 if TYPE_CHECKING:
     from ..draft import Eagle3Draft
@@ -73,7 +73,7 @@ def _check_capacity(native: NativeForward, prompt_len: int, max_new_tokens: int,
 
 
 def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_new_tokens: int, *,
-                           eos_token_id: int | None = None,
+                           eos_token_id: int | Sequence[int] | None = None,
                            on_token: Callable[[int], None] | None = None) -> torch.Tensor:
     """Greedy decoding on the native forward: new ids [n_new] (exactly `max_new_tokens`, or up to
     `eos_token_id` included). input_ids: [T] or [1, T]. `on_token(id)` sees each id as it comes."""
@@ -84,7 +84,8 @@ def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_n
     emitted = [int(greedy[0, -1])]
     if on_token is not None:
         on_token(emitted[-1])
-    while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
+    stops = stop_set(eos_token_id)
+    while len(emitted) < max_new_tokens and emitted[-1] not in stops:
         greedy, _ = runner.forward(torch.tensor([[emitted[-1]]]))
         emitted.append(int(greedy[0, -1]))
         if on_token is not None:
@@ -93,7 +94,7 @@ def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_n
 
 
 def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft", input_ids: torch.Tensor,
-                                max_new_tokens: int, k: int, *, eos_token_id: int | None = None,
+                                max_new_tokens: int, k: int, *, eos_token_id: int | Sequence[int] | None = None,
                                 draft_dtype: str | None = None, draft_backend: str = "auto") -> SpecResult:
     """Greedy speculative decoding with the target on the native forward; the tokens equal
     `native_greedy_generate`'s. The draft must have been trained for this target (its vocabulary,

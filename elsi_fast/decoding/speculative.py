@@ -30,7 +30,7 @@ import inspect
 import time
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
@@ -372,7 +372,7 @@ def speculative_generate(
     max_new_tokens: int,
     k: int,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
 ) -> SpecResult:
@@ -384,7 +384,8 @@ def speculative_generate(
     draft_dtype: None, "fp32", "bf16" or "int8": the native weight precision; an explicit value
     must run natively (ValueError with the reason otherwise). draft_backend: "auto" (native in the
     draft's own precision when possible, else torch with a warning saying why), "native" or
-    "torch". Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` when given.
+    "torch". Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` (one id or
+    several, e.g. `targets.loading.stop_token_ids`) when given.
     Returns a `SpecResult` whose tokens equal the target's own greedy decoding.
     """
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
@@ -395,11 +396,19 @@ def speculative_generate(
                             eos_token_id)
 
 
+def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The ids decoding stops after: none, one, or several (a chat model's end of turn and EOS)."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([int(eos_token_id)] if isinstance(eos_token_id, int) else map(int, eos_token_id))
+
+
 def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int, k: int,
-                     eos_token_id: int | None) -> SpecResult:
+                     eos_token_id: int | Sequence[int] | None) -> SpecResult:
     """The rounds of greedy chain speculative decoding (see the module docstring): `runner` is the
     target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
     `_NativeDraftPath`)."""
+    stops = stop_set(eos_token_id)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     draft_seconds = 0.0
@@ -413,7 +422,7 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     draft_seconds += time.perf_counter() - start
 
     accepted_lengths: list[int] = []
-    while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
+    while len(emitted) < max_new_tokens and emitted[-1] not in stops:
         seq_len = prompt_len + len(emitted)  # S; x_{S-1} = emitted[-1] is pending
         round_k = min(k, max_new_tokens - len(emitted) - 1)
 
@@ -433,14 +442,15 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
         while n < len(proposals) and proposals[n] == greedy_list[n]:
             n += 1
         new_tokens = proposals[:n] + [greedy_list[n]]
-        if eos_token_id is not None and eos_token_id in new_tokens:
-            new_tokens = new_tokens[: new_tokens.index(eos_token_id) + 1]
+        ends = [i for i, token in enumerate(new_tokens) if token in stops]
+        if ends:
+            new_tokens = new_tokens[: ends[0] + 1]
         emitted.extend(new_tokens)
         accepted_lengths.append(len(new_tokens) - 1)
 
         # Verified positions S-1 .. S-1+n stay in the target cache; the rest is rolled back.
         runner.crop(seq_len + n)
-        if len(emitted) >= max_new_tokens or emitted[-1] == eos_token_id:
+        if len(emitted) >= max_new_tokens or emitted[-1] in stops:
             break
         start = time.perf_counter()
         path.truncate(seq_len - 1)
@@ -457,7 +467,7 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
 
 @torch.no_grad()
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *,
-                    eos_token_id: int | None = None) -> torch.Tensor:
+                    eos_token_id: int | Sequence[int] | None = None) -> torch.Tensor:
     """The target's greedy decoding, batch 1, on the forward path `speculative_generate` verifies
     with (the same KV cache and forwards; on the target runtime when the target is on it): one
     prefill of the prompt, then one 1-token forward per new token. input_ids: [T] or [1, T].
@@ -467,7 +477,8 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *,
     runner = _TargetRunner(target, [])
     greedy, _ = runner.forward(input_ids, last_only=True)
     emitted = [int(greedy[0, -1])]
-    while len(emitted) < max_new_tokens and emitted[-1] != eos_token_id:
+    stops = stop_set(eos_token_id)
+    while len(emitted) < max_new_tokens and emitted[-1] not in stops:
         greedy, _ = runner.forward(torch.tensor([[emitted[-1]]], dtype=torch.long, device=input_ids.device))
         emitted.append(int(greedy[0, -1]))
     return torch.tensor(emitted, dtype=torch.long)

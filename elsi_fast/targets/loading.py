@@ -347,3 +347,15 @@ def _check_reload(model, folder: Path) -> None:
     error = float((want - got).abs().max())
     if not error <= 1e-5 * max(1.0, float(want.abs().max())):
         raise ValueError(f"model: the exported folder {folder} reloads to different logits (max error {error:.3g})")
+
+
+def stop_token_ids(target, tokenizer) -> list[int]:
+    """The ids that end the target's answer: its generation config's end-of-sequence ids and the
+    tokenizer's (a chat model's end-of-turn token among them), sorted. Generation stops after the
+    first of them, as serving engines do."""
+    ids = getattr(target.generation_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    ids = [i for i in ids + [tokenizer.eos_token_id] if i is not None]
+    if not ids:
+        raise ValueError("target: neither its generation config nor its tokenizer names an end-of-sequence token")
+    return sorted(set(ids))

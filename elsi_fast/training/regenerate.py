@@ -32,6 +32,7 @@ import torch
 
 from .._infra.interrupt import DeferredInterrupt
 from ..analysis.prompts import Prompt, encode_prompt
+from ..targets.loading import stop_token_ids as _stop_ids
 
 CONVERSATIONS_FILE = "conversations.jsonl"
 ENGINES = ("transformers", "vllm", "llama.cpp")
@@ -84,15 +85,6 @@ def same_settings(a: dict[str, Any], b: dict[str, Any], *, prompts: bool = True)
     skip = ("target",) if prompts else ("target", "prompts")
     strip = lambda r: {k: v for k, v in r.items() if k not in skip}  # noqa: E731
     return strip(a) == strip(b) and same_target(a.get("target", {}), b.get("target", {}))
-
-
-def _stop_ids(target, tokenizer) -> list[int]:
-    ids = getattr(target.generation_config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    ids = [i for i in ids + [tokenizer.eos_token_id] if i is not None]
-    if not ids:
-        raise ValueError("target: neither its generation config nor its tokenizer names an end-of-sequence token")
-    return sorted(set(ids))
 
 
 def read_conversations(path: str | os.PathLike) -> list[dict]:

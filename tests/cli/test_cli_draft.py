@@ -54,6 +54,15 @@ def test_train_then_eval(setup, capsys):
     assert rows["qa"] == ["2", f"{taus['qa']:.3f}"]  # --max-prompts caps each category
     assert rows["all"] == ["3", f"{taus['all']:.3f}"]
     assert printed.splitlines()[0].endswith("target: torch eager")
+    from elsi_fast.targets.loading import load_model, stop_token_ids
+
+    model, tokenizer = load_model(str(target), device="cpu", dtype="float32", progress=False)
+    assert json.loads(result.read_text())["stop_ids"] == stop_token_ids(model, tokenizer) != []
+    assert main(["eval-draft", "--target", str(target), "--draft", str(out), "--prompts", str(prompts),
+                 "--k", "2", "--max-new-tokens", "6", "--max-prompts", "1", "--ignore-eos", "--json", str(result),
+                 "--no-progress"]) == 0
+    assert json.loads(result.read_text())["stop_ids"] is None
+    capsys.readouterr()
 
     from elsi_fast.targets import target_runtime
 

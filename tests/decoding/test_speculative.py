@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from elsi_fast.decoding.speculative import NATIVE_EXTEND_MAX, SpecResult, speculative_generate
+from elsi_fast.decoding.speculative import NATIVE_EXTEND_MAX, SpecResult, greedy_generate, speculative_generate
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, native, read_draft, write_draft
 from elsi_fast.draft.native import DISABLE_NATIVE_ENV
 
@@ -244,6 +244,40 @@ def test_eos_stops_generation():
     assert result.tokens.tolist() == expected[: stop + 1]
 
 
+def test_several_stop_ids_stop_at_the_first_of_them():
+    """A chat model ends a turn with its end-of-turn token or EOS: decoding stops after whichever
+    comes first, inside a verified round too (the draft proposes the whole greedy chain)."""
+    target = TARGETS["llama"]
+    prompt = torch.tensor(PROMPTS[2])
+    expected = greedy_reference(target, prompt, 12)
+    late, early = expected[7], expected[4]
+    stop = min(expected.index(late), expected.index(early))
+    never = next(i for i in range(target.config.vocab_size) if i not in expected)
+    draft = OracleDraft(target, first_token=PROMPTS[2][0], layers=[1])
+    result = speculative_generate(target, draft, prompt, 12, 3, eos_token_id=[never, late, early], draft_backend="torch")
+    assert result.tokens.tolist() == expected[: stop + 1]
+    assert greedy_generate(target, prompt, 12, eos_token_id=(late, early)).tolist() == expected[: stop + 1]
+    assert speculative_generate(target, draft, prompt, 12, 3, eos_token_id=[never],
+                                draft_backend="torch").tokens.tolist() == expected
+
+
+def test_prompts_are_cut_to_their_last_tokens_as_regenerate_cuts_them():
+    """eval-draft's --max-prompt-tokens keeps a prompt's end: a chat prompt's generation prompt
+    (the assistant marker) is what the answer continues."""
+    from elsi_fast.analysis.prompts import Prompt, encode_prompt, prompts_by_category
+
+    class Chars:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    prompts = [Prompt(text="abcdefgh", category="x"), Prompt(text="xyz", category="x")]
+    grouped = prompts_by_category(prompts, Chars(), None, 4)
+    assert grouped == {"x": [[ord(c) for c in "efgh"], [ord(c) for c in "xyz"]]}
+    assert prompts_by_category(prompts, Chars())["x"][0] == encode_prompt(prompts[0], Chars())
+
+
 def test_tau_and_histogram_from_known_rounds():
     result = SpecResult(tokens=torch.zeros(9, dtype=torch.long), accepted_lengths=[3, 0, 1], k=3,
                         draft_time_s=0.0, target_time_s=0.0, draft_backend="torch eager")
@@ -367,7 +401,7 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     from elsi_fast.analysis.prompts import prompts_by_category
     from elsi_fast.cli import main
     from elsi_fast.decoding.evaluation import speculative_runs
-    from elsi_fast.targets.loading import load_model
+    from elsi_fast.targets.loading import load_model, stop_token_ids
     from elsi_fast.targets.toy_targets import TargetRecipe, build_target
     from elsi_fast.training.train import draft_config_for
 
@@ -397,7 +431,8 @@ def test_eval_draft_int8_runs_every_draft_step_natively(tmp_path, capsys):
     # The same runs through the Python API, to count the draft positions independently.
     draft = read_draft(tmp_path / "draft", embed_tokens=model.get_input_embeddings().weight.detach())
     grouped = prompts_by_category(load_prompts(str(prompts)), tokenizer, None, 256)
-    runs = speculative_runs(model, draft, grouped, k=3, max_new_tokens=12, draft_dtype="int8")
+    runs = speculative_runs(model, draft, grouped, k=3, max_new_tokens=12, draft_dtype="int8",
+                            eos_token_id=stop_token_ids(model, tokenizer))
     expected = Counter()
     for cat, results in runs.items():
         for ids, result in zip(grouped[cat], results):
