@@ -135,13 +135,15 @@ VERIFY = Source("target_runtime_cpu.jsonl", "target_verify_forward", {"tokens": 
 E2E = Source("spec_e2e_cpu.jsonl", "spec_e2e_real_target",
              {"draft": "runs/draft-experiment/smollm2-135m-instruct/cells/eagle3-m3-seed0-claims"})
 LLAMACPP = Source("llamacpp_integration_cpu.jsonl", "llamacpp_spec_decoding")
+# The native GGUF forward against llama.cpp on the same file, quiet cores (2026-12-05).
+NATIVE = Source("native_target_cpu.jsonl", "native_target_decode", {"rounds": 5, "tokens": 128})
 
 
 def headline(results: Results) -> list[str]:
     """Reads: metrics_cpu (cka_matrix and token_entropy, median_time_best_threads), selection_cpu
     (selection_seconds), draft_decode_cpu (native_bf16_vs_compile_bf16), llamacpp_kernels_cpu
     (elsi_int8_vs_ggml_Q8_0), target_runtime_cpu (forward_ms), spec_e2e_cpu (decode tokens/s) and
-    llamacpp_integration_cpu (llama.cpp's greedy tokens/s, recorded with each speculative row)."""
+    native_target_cpu (the native GGUF forward's greedy tokens/s against llama.cpp's)."""
     best = "median_time_best_threads"
     cka = Source(METRICS_FILE, CKA).pick(results, best)
     eager = Source(METRICS_FILE, ENTROPY + "log_softmax one-liner").pick(results, best)
@@ -153,8 +155,7 @@ def headline(results: Results) -> list[str]:
     compile_ = VERIFY.pick(results, "forward_ms", contender="compile")
     spec = E2E.pick(results, "eagle3_int8_k2_decode_tokens_per_s")
     greedy = E2E.pick(results, "greedy_decode_tokens_per_s")
-    llamacpp_row = LLAMACPP.pick(results, "decode_tokens_per_s/lookup")
-    llamacpp = llamacpp_row["params"]["plain_decode_tokens_per_s"]
+    native = NATIVE.pick(results, "greedy_tokens_per_s/Q4_1/threads=2")
     def faster(ratio: float, ours: float, theirs: float, unit: str) -> str:
         return f"{x(ratio)} ({ms(ours)} vs {ms(theirs)} {unit})"
 
@@ -173,9 +174,8 @@ def headline(results: Results) -> list[str]:
          faster(compile_["value"] / runtime["value"], runtime["value"], compile_["value"], "ms"), [runtime, compile_]),
         ("SmolLM2 decoding, int8 EAGLE3-default draft, k=2, 2 threads", "greedy decoding, same runtime",
          faster(spec["ratio"], spec["value"], spec["baseline"], f"tokens/s, tau {spec['params']['tau']:.2f}"), [spec]),
-        (f"SmolLM2 greedy decoding in llama.cpp (Q4_1 file), {llamacpp_row['params']['threads']} threads",
-         "elsi-fast's fp32 target runtime",
-         f"{llamacpp / greedy['value']:.1f}x ({llamacpp:.1f} vs {greedy['value']:.1f} tokens/s)", [llamacpp_row, greedy]),
+        ("SmolLM2 greedy decoding, native GGUF forward (Q4_1 file), 2 threads", "llama.cpp's greedy (`llama-bench` tg)",
+         faster(native["ratio"], native["value"], native["baseline"], "tokens/s"), [native]),
     ]
     body = [[what, against, result, measured(*rows)] for what, against, result, rows in lines]
     return markdown(["what", "against", "result", "measured on"], body)
@@ -328,6 +328,23 @@ def long_run_curve(cell: str) -> Callable[[Results], list[str]]:
     return render
 
 
+def native_target(results: Results) -> list[str]:
+    """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
+    k=1..3 of each file type and thread count."""
+    body = []
+    for kind in ("Q4_1", "Q8_0"):
+        for threads in (1, 2):
+            greedy = NATIVE.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}")
+            verify = NATIVE.pick(results, f"verify_cost/{kind}/threads={threads}/T=5")
+            drafts = [NATIVE.pick(results, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}") for k in (1, 2, 3)]
+            body.append([kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}", x(greedy["ratio"]),
+                         x(verify["value"]),
+                         " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
+                         f"{drafts[0]['params']['tau']:.2f}-{drafts[-1]['params']['tau']:.2f}"])
+    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens",
+                     "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
+
+
 PERF = "docs/performance.md"
 GGML = "llamacpp_kernels_cpu.jsonl: llamacpp_kernels, elsi_{fp32,bf16,int8}_vs_ggml_*"
 TABLES: tuple[Table, ...] = (
@@ -344,6 +361,8 @@ TABLES: tuple[Table, ...] = (
           llamacpp_real),
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("elsi-m1-seed0-steps480")),
+    Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
+          "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
           serve_check),
 )
