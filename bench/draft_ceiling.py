@@ -12,8 +12,8 @@ long the draft trains (docs/method.md, section 6):
    target `eval-draft` decodes with (answers from a quantized engine would differ in places);
 3. `elsi-fast train-draft` on those 48 conversations with a draft vocabulary covering every answer
    token (a token outside it can never be drafted), random init, from an offline feature cache;
-4. `elsi-fast eval-draft` live on the same 48 instructions (k = 4, greedy, as many new tokens as
-   the answers were given).
+4. `elsi-fast eval-draft` live on the same 48 instructions (k = 4, greedy, at most as many new
+   tokens as the answers were given, each stopping at the end of its answer as the answers did).
 
 Rows: bench/results/draft_ceiling_cpu.jsonl (tau overall and per category, the final loss, the
 training tokens/s). Work goes to runs/ceiling/<model>/; every stage resumes.
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "draft_ceiling_cpu"
 PER_CATEGORY = 6
 MAX_NEW_TOKENS = 128
+MAX_PROMPT_TOKENS = 1024  # regenerate's default cut, so eval-draft sees the prompts the answers came from
 RECIPE = {"init": "random", "ttt_steps": 3, "batch_size": 8, "lr": 3e-3}
 
 
@@ -86,21 +87,27 @@ def main() -> None:
     conversations = data / "conversations.jsonl"
     vocab = covering_vocab_size(conversations)
     draft = work / f"draft-{args.set}-steps{args.steps}"
-    cli("train-draft", *target, "--layers", *map(str, layers), "--data", str(conversations), "--out", str(draft),
-        "--steps", str(args.steps), "--batch-size", str(RECIPE["batch_size"]), "--lr", str(RECIPE["lr"]),
-        "--ttt-steps", str(RECIPE["ttt_steps"]), "--init", RECIPE["init"], "--draft-vocab-size", str(vocab),
-        "--cache-dir", str(work / f"cache-{'-'.join(map(str, layers))}"), "--seed", str(args.seed), "--no-progress")
+    summary_path = draft / "train_summary.json"
+    finished = summary_path.is_file() and json.loads(summary_path.read_text()).get("steps") == args.steps
+    if not finished:  # a rerun of a finished draft would overwrite its summary with a run of no steps
+        cli("train-draft", *target, "--layers", *map(str, layers), "--data", str(conversations), "--out", str(draft),
+            "--steps", str(args.steps), "--batch-size", str(RECIPE["batch_size"]), "--lr", str(RECIPE["lr"]),
+            "--ttt-steps", str(RECIPE["ttt_steps"]), "--init", RECIPE["init"], "--draft-vocab-size", str(vocab),
+            "--cache-dir", str(work / f"cache-{'-'.join(map(str, layers))}"), "--seed", str(args.seed), "--no-progress")
     result = draft / "eval-held-in.json"
     if not result.is_file():
         cli("eval-draft", *target, "--draft", str(draft), "--prompts", str(prompts), "--k", "4",
-            "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", str(result), "--no-progress")
-    tau = json.loads(result.read_text())["tau"]
-    summary = json.loads((draft / "train_summary.json").read_text())
+            "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--json",
+            str(result), "--no-progress")
+    evaluated = json.loads(result.read_text())
+    tau = evaluated["tau"]
+    summary = json.loads(summary_path.read_text())
     params = {"model": args.model, "set": args.set, "layers": layers, "conversations": PER_CATEGORY * 8,
               "draft_vocab_size": vocab, "steps": args.steps, "recipe": RECIPE, "k": 4,
-              "max_new_tokens": MAX_NEW_TOKENS, "per_category": tau, "final_loss": summary["final_loss"],
+              "max_new_tokens": MAX_NEW_TOKENS, "max_prompt_tokens": MAX_PROMPT_TOKENS, "per_category": tau,
+              "final_loss": summary["final_loss"],
               "tokens_per_second": summary.get("tokens_per_second_this_run"), "threads": args.threads,
-              "note": args.note, "goal": 3.0}
+              "stop_ids": evaluated.get("stop_ids"), "note": args.note, "goal": 3.0}
     device = device_name("cpu", args.threads)
     record(RESULTS, "draft_ceiling", "tau_k4_held_in", tau["all"], "tokens/forward", device=device, params=params)
     print(f"held-in tau(k=4) {tau['all']:.3f} (goal >= 3): "

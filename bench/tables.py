@@ -345,6 +345,23 @@ def native_target(results: Results) -> list[str]:
                      "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
 
 
+CEILING = Source("draft_ceiling_cpu.jsonl", "draft_ceiling", {"model": "smollm2-135m-instruct", "set": "eagle3-m3"})
+CEILING_CATEGORIES = ("story", "rewrite", "math", "code", "qa", "translation", "summarization", "dialogue")
+
+
+def ceiling(results: Results) -> list[str]:
+    """Reads tau_k4_held_in of the ceiling draft under each evaluation rule: whole budget or stopping
+    at the answer's end (params.stop_ids), prompts cut to params.max_prompt_tokens."""
+    body = []
+    for stops, cut, rule in ((None, 256, "whole 128-token budget, prompts cut to their first 256 tokens"),
+                             ([2], 256, "stop at the answer's end, prompts cut to their last 256 tokens"),
+                             ([2], 1024, "stop at the answer's end, prompts as `regenerate` cut them (1024)")):
+        row = CEILING.pick(results, "tau_k4_held_in", stop_ids=stops, max_prompt_tokens=cut)
+        per = row["params"]["per_category"]
+        body.append([rule, f"{row['value']:.3f}", *(f"{per[c]:.2f}" for c in CEILING_CATEGORIES)])
+    return markdown(["live `eval-draft`", "tau (k=4)", *CEILING_CATEGORIES], body)
+
+
 PERF = "docs/performance.md"
 GGML = "llamacpp_kernels_cpu.jsonl: llamacpp_kernels, elsi_{fp32,bf16,int8}_vs_ggml_*"
 TABLES: tuple[Table, ...] = (
@@ -363,6 +380,8 @@ TABLES: tuple[Table, ...] = (
           "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("elsi-m1-seed0-steps480")),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
+    Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
+          "48-conversation EAGLE3-default draft under each evaluation rule", ceiling),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
           serve_check),
 )
