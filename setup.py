@@ -38,10 +38,12 @@ def native_extensions():
         _flag("ELSI_FAST_FORCE_CUDA")
         or (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None)
     )
-    # -O3 and OpenMP for the memory-bound CPU decode; ISA-specific code paths are compiled with
-    # per-function target attributes and chosen at run time, so no -march=native here.
-    cxx_flags = ["-O3", "-fopenmp", "-std=c++20", "-DNDEBUG"]
-    link_flags = ["-fopenmp"]
+    # -O3 for the memory-bound CPU decode; ISA-specific code paths are compiled with per-function
+    # target attributes and chosen at run time, so no -march=native here. Threads come from the
+    # extension's own pool (csrc/common/cpu_pool.h), so no OpenMP runtime: -fopenmp-simd only honours
+    # the `omp simd` loop pragmas.
+    cxx_flags = ["-O3", "-fopenmp-simd", "-std=c++20", "-DNDEBUG"]
+    link_flags = []
     if want_cuda:
         # Without TORCH_CUDA_ARCH_LIST torch would target every architecture it knows (slow builds
         # on GPU-less CI); the kernels need bf16 intrinsics (sm_80+) and are tuned for sm_90.

@@ -1,10 +1,10 @@
-// The thread pool of the target runtime's ops (target_runtime.h, run_parallel).
+// The thread pool of the draft step and the target runtime's ops (common/cpu_pool.h, run_parallel).
 //
 // The calling thread and `threads - 1` helpers claim work items of a job from one atomic word; the
 // caller then waits only for the items helpers have claimed. A helper the OS has descheduled (a
 // busy neighbour process on its core) therefore costs nothing: it finds the job done when it runs.
 // A fork-join team instead waits at every join for its slowest thread (docs/target-runtime.md: the
-// draft step's OpenMP team went from 2.0 to 8.0 ms with one busy core). Idle helpers spin for
+// draft step's former OpenMP team went from 2.0 to 8.0 ms with one busy core). Idle helpers spin for
 // kHelperSpin (about the gap between two products of a decoder layer), then sleep on a futex.
 
 #include <immintrin.h>
@@ -16,7 +16,7 @@
 #include <mutex>
 #include <thread>
 
-#include "target_runtime.h"
+#include "common/cpu_pool.h"
 
 namespace elsi_fast {
 namespace {

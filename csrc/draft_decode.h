@@ -85,8 +85,8 @@ const char* cpu_isa();
 // false (and changes nothing) otherwise. Lets tests exercise every code path on one machine.
 bool set_cpu_isa(const char* name);
 
-// Runs one decode step on the CPU with `num_threads` OpenMP threads. Shapes and bounds are
-// validated by the caller.
+// Runs one decode step on the CPU with `num_threads` threads of the extension's pool
+// (common/cpu_pool.h). Shapes and bounds are validated by the caller.
 void draft_decode_step_cpu(const DraftDims& dims, const DraftWeights& weights, const DraftStep& step,
                            int num_threads);
 

@@ -2,8 +2,10 @@
 //
 // The step is memory-bound: every weight is read once. All matrix-vector products go through one
 // kernel per (instruction set, weight type, layout), compiled with per-function target attributes
-// and picked at run time, so the binary runs on any x86-64. Everything between the products (norms,
-// RoPE, attention, SwiGLU, top-k) runs inside the same OpenMP parallel region.
+// and picked at run time, so the binary runs on any x86-64. The products (with the attention, SwiGLU
+// and top-k fused into their loops) run on the extension's one thread team (common/cpu_pool.h), the
+// one the target runtime's ops use, so a speculative step never hands over between two teams; the
+// O(width) pieces between them (norms, input rounding) run on the calling thread.
 //
 // Layout decides the speed: NativeDraftDecoder packs every matrix in groups of kPackRows rows stored
 // tile by tile, one cache line of each row per tile (draft_decode.h), so each product is one
@@ -27,17 +29,16 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
 
+#include "common/cpu_pool.h"
 #include "common/simd.h"
 #include "draft_decode.h"
 
@@ -429,64 +430,13 @@ constexpr int64_t kRowBlock = 4;
 // (~0.1-0.3 MB of weights), not by its whole slice.
 constexpr int64_t kChunkRows = 64;
 
-// The step's thread team. Work items are claimed one at a time (a dynamic schedule). A thread at a
-// barrier spins for up to kSpinFor, then sleeps on a futex. Sleeping sooner (the first version: 256
-// pauses, ~1-15 us) made the second thread nearly worthless on small steps: a futex wake-up costs
-// tens of microseconds, more in a VM whose idle vCPU halts, as much as a whole phase of SmolLM2's
-// step, which gained 1.1-1.3x from 2 threads on Zen 4 that way, 1.5-1.8x spinning 500 us. Next to
-// busy processes spinning was not worse either (a sleeper waits for the scheduler to preempt a
-// neighbour); sched_yield in the spin bought nothing. docs/performance.md has the figures. The
-// bound keeps a stalled team (a teammate descheduled for a whole time slice) from burning a core
-// for the slice, as OpenMP's own barriers do for GOMP_SPINCOUNT iterations.
-enum Loop : int { kFcLoop, kAttentionLoop, kOLoop, kMlpLoop, kDownLoop, kLmHeadLoop, kNumLoops };
-
-class Team {
+// The vectors a step multiplies, in the form its weight type multiplies (bf16 rounding, int16
+// quantization, see GemvInput): the calling thread converts each before the product's loop, and
+// every work item reads the shared buffers. They are zero beyond the vector, up to the packed
+// tiles' padded width.
+class ProductInput {
  public:
-  // body(i) for every i in [0, n), spread over the threads of the enclosing parallel region, which
-  // all make this call; returns once every item is done. Each loop of a step has its own counter.
-  template <typename Body>
-  void for_each(Loop loop, int64_t n, Body&& body) {
-    for (int64_t i = next_[loop].fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next_[loop].fetch_add(1, std::memory_order_relaxed))
-      body(i);
-    barrier();
-  }
-
- private:
-  void barrier() {
-    const uint32_t generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == omp_get_num_threads() - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
-      generation_.notify_all();
-      return;
-    }
-    const auto start = std::chrono::steady_clock::now();
-    for (int spin = 1; generation_.load(std::memory_order_acquire) == generation; ++spin) {
-      _mm_pause();
-      if (spin % kPausesPerClockRead == 0 && std::chrono::steady_clock::now() - start > kSpinFor) {
-        while (generation_.load(std::memory_order_acquire) == generation)
-          generation_.wait(generation, std::memory_order_acquire);
-        return;
-      }
-    }
-  }
-
-  // Longer than a phase of the steps a second thread pays off on (0.2-2 ms steps, 6 phases), so an
-  // idle team never sleeps inside a step.
-  static constexpr auto kSpinFor = std::chrono::microseconds(500);
-  static constexpr int kPausesPerClockRead = 64;
-  std::atomic<int64_t> next_[kNumLoops]{};
-  std::atomic<int> arrived_{0};
-  std::atomic<uint32_t> generation_{0};
-};
-
-// One thread's view of the vectors it multiplies: each thread converts them (bf16 rounding, int16
-// quantization, see GemvInput) into its own buffers, O(width) work that costs no barrier. The
-// buffers are zero beyond the vector, up to the packed tiles' padded width.
-class ThreadInput {
- public:
-  ThreadInput(WeightType type, int64_t max_width)
+  ProductInput(WeightType type, int64_t max_width)
       : type_(type),
         f_(padded(max_width)),
         bits_(type == WeightType::kBFloat16 ? f_.size() : 0),
@@ -572,8 +522,7 @@ void dot_rows(const Products& p, const void* w, const float* scale, int64_t begi
     for (int64_t r = begin; r < end; ++r) out[r - begin] *= scale[r];
 }
 
-// out[r] = scale[r] * dot(W[r], x) + residual[r] (residual optional), rows split among the team's
-// threads in chunks.
+// out[r] = scale[r] * dot(W[r], x) + residual[r] (residual optional), one work item per chunk of rows.
 struct GemvPart {
   const void* w;
   const float* scale;
@@ -582,25 +531,27 @@ struct GemvPart {
   float* out;
 };
 
-void gemv(Team& team, Loop loop, const Products& dots, const GemvPart& part, int64_t cols, const GemvInput& x) {
-  team.for_each(loop, (part.rows + kChunkRows - 1) / kChunkRows, [&](int64_t chunk) {
+void gemv(int threads, const Products& dots, const GemvPart& part, int64_t cols, const GemvInput& x) {
+  auto chunk_rows = [&](int64_t chunk) {
     const int64_t r0 = chunk * kChunkRows, r1 = std::min(part.rows, r0 + kChunkRows);
     dot_rows(dots, part.w, part.scale, r0, r1, cols, x, part.out + r0);
     if (part.residual)
       for (int64_t r = r0; r < r1; ++r) part.out[r] += part.residual[r];
-  });
+  };
+  parallel_for(threads, (part.rows + kChunkRows - 1) / kChunkRows, chunk_rows);
 }
 
 // act[i] = silu(gate_i . x) * (up_i . x), both products of a chunk in the same iteration.
-void swiglu(Team& team, const Products& dots, const DraftWeights& w, int64_t inter, int64_t cols, const GemvInput& x,
+void swiglu(int threads, const Products& dots, const DraftWeights& w, int64_t inter, int64_t cols, const GemvInput& x,
             float* act) {
-  team.for_each(kMlpLoop, (inter + kChunkRows - 1) / kChunkRows, [&](int64_t chunk) {
+  auto chunk_rows = [&](int64_t chunk) {
     const int64_t i0 = chunk * kChunkRows, i1 = std::min(inter, i0 + kChunkRows);
     float gate[kChunkRows], up[kChunkRows];
     dot_rows(dots, w.matrix[kGate], w.scale[kGate], i0, i1, cols, x, gate);
     dot_rows(dots, w.matrix[kUp], w.scale[kUp], i0, i1, cols, x, up);
     for (int64_t i = 0; i < i1 - i0; ++i) act[i0 + i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  });
+  };
+  parallel_for(threads, (inter + kChunkRows - 1) / kChunkRows, chunk_rows);
 }
 
 inline void store(float* dst, float v) { *dst = v; }
@@ -689,11 +640,11 @@ int64_t group_rows(const DraftDims& dims) {
 
 int64_t group_chunks(const DraftDims& dims) { return (group_rows(dims) + kChunkRows - 1) / kChunkRows; }
 
-// q/k/v products and attention under one barrier: the work items are chunks of one KV group's rows,
-// and whoever finishes a group's last chunk (chunks_left[kv] reaching zero) attends for that group.
+// q/k/v products and attention in one job: the work items are chunks of one KV group's rows, and
+// whoever finishes a group's last chunk (chunks_left[kv] reaching zero) attends for that group.
 // qkv holds q heads, then k heads, then v heads.
 template <typename C>
-void qkv_attention(Team& team, const Products& dots, const DraftWeights& w, const DraftDims& dims, const DraftStep& step,
+void qkv_attention(int threads, const Products& dots, const DraftWeights& w, const DraftDims& dims, const DraftStep& step,
                    const float* rope, const GemvInput& x, std::atomic<int64_t>* chunks_left, float* qkv,
                    float* scores, float* attn) {
   const int64_t hd = dims.head_dim, nh = dims.num_heads, nkv = dims.num_kv_heads, group = nh / nkv;
@@ -701,7 +652,7 @@ void qkv_attention(Team& team, const Products& dots, const DraftWeights& w, cons
   // a group's local rows: [0, group hd) of q, then hd of k, then hd of v
   const int64_t bounds[4] = {0, group * hd, (group + 1) * hd, rows};
   const Matrix matrices[3] = {kQ, kK, kV};
-  team.for_each(kAttentionLoop, nkv * chunks, [&](int64_t item) {
+  auto chunk_rows = [&](int64_t item) {
     const int64_t kv = item / chunks, r0 = (item % chunks) * kChunkRows, r1 = std::min(rows, r0 + kChunkRows);
     const int64_t first_row[3] = {kv * group * hd, kv * hd, kv * hd};
     float* const out[3] = {qkv + first_row[0], qkv + nh * hd + first_row[1], qkv + (nh + nkv) * hd + first_row[2]};
@@ -713,7 +664,8 @@ void qkv_attention(Team& team, const Products& dots, const DraftWeights& w, cons
     }
     if (chunks_left[kv].fetch_sub(1, std::memory_order_acq_rel) == 1)
       attend_group<C>(dims, step, rope, kv, qkv, scores, attn);
-  });
+  };
+  parallel_for(threads, nkv * chunks, chunk_rows);
 }
 
 struct Candidate {
@@ -758,12 +710,15 @@ void draft_decode_step_cpu(const DraftDims& dims, const DraftWeights& w, const D
   const int64_t input_width = step.from_target ? dims.fc_in : d;
   const int64_t widest_input = std::max({input_width, 2 * d, q_width, dims.intermediate});
 
-  num_threads = std::max(1, num_threads);
-  std::vector<float> input(input_width), h(d), qkv(q_width + 2 * kv_width), attn(q_width), h1(d), h2(d),
-      act(dims.intermediate), scores(nh * (step.position + 1)), rope(hd);
-  std::vector<Candidate> candidates(static_cast<size_t>(num_threads) * k);
-  std::vector<int64_t> candidate_counts(num_threads, 0);
-  Team team;
+  const int threads = std::max(1, num_threads);
+  std::vector<float> input(input_width), h(d), x2(2 * d), normed(d), qkv(q_width + 2 * kv_width), attn(q_width),
+      h1(d), h2(d), act(dims.intermediate), scores(nh * (step.position + 1)), rope(hd);
+  ProductInput in(w.weight_type, widest_input);
+  // lm_head keeps the best min(k, kChunkRows) candidates of each chunk, merged below: the draft-vocab
+  // logits never leave its loop, and the merged top-k does not depend on which thread ran a chunk.
+  const int64_t lm_chunks = (dims.draft_vocab + kChunkRows - 1) / kChunkRows, chunk_k = std::min(k, kChunkRows);
+  std::vector<Candidate> candidates(static_cast<size_t>(lm_chunks * chunk_k));
+  std::vector<int64_t> candidate_counts(lm_chunks, 0);
   std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[nkv]);
   for (int64_t kv = 0; kv < nkv; ++kv) chunks_left[kv].store(group_chunks(dims), std::memory_order_relaxed);
   // Same fp32 product as the torch reference: angle = float(position) * inv_freq.
@@ -777,56 +732,46 @@ void draft_decode_step_cpu(const DraftDims& dims, const DraftWeights& w, const D
                    ? bf16_bits_to_float(static_cast<const uint16_t*>(step.input)[i])
                    : static_cast<const float*>(step.input)[i];
 
-  // Barriers only where a product needs all of the previous one; the norms between products are
-  // recomputed by every thread (O(d)) instead of costing a barrier each.
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<float> x2(2 * d), normed(d);
-    ThreadInput in(w.weight_type, widest_input);
-    if (step.from_target)
-      gemv(team, kFcLoop, dots, {w.matrix[kFc], w.scale[kFc], d, nullptr, h.data()}, dims.fc_in,
-           in.of(input.data(), dims.fc_in));
-    const float* hidden_in = step.from_target ? h.data() : input.data();
+  if (step.from_target)
+    gemv(threads, dots, {w.matrix[kFc], w.scale[kFc], d, nullptr, h.data()}, dims.fc_in,
+         in.of(input.data(), dims.fc_in));
+  const float* hidden_in = step.from_target ? h.data() : input.data();
 
-    // x = [input_layernorm(embed(token)), hidden_norm(h)]: embedding first
-    const size_t row = static_cast<size_t>(step.token * d) * (w.embed_type == ActType::kBFloat16 ? 2 : 4);
-    rms_norm_act(w.embed_type, static_cast<const char*>(w.embed) + row, w.norms + d, d, dims.eps, x2.data());
-    rms_norm(hidden_in, w.norms, d, dims.eps, x2.data() + d);
-    const GemvInput x2_in = in.of(x2.data(), 2 * d);
-    if (step.cache_type == ActType::kBFloat16)
-      qkv_attention<uint16_t>(team, dots, w, dims, step, rope.data(), x2_in, chunks_left.get(), qkv.data(),
-                              scores.data(), attn.data());
-    else
-      qkv_attention<float>(team, dots, w, dims, step, rope.data(), x2_in, chunks_left.get(), qkv.data(),
-                           scores.data(), attn.data());
+  // x = [input_layernorm(embed(token)), hidden_norm(h)]: embedding first
+  const size_t row = static_cast<size_t>(step.token * d) * (w.embed_type == ActType::kBFloat16 ? 2 : 4);
+  rms_norm_act(w.embed_type, static_cast<const char*>(w.embed) + row, w.norms + d, d, dims.eps, x2.data());
+  rms_norm(hidden_in, w.norms, d, dims.eps, x2.data() + d);
+  const GemvInput x2_in = in.of(x2.data(), 2 * d);
+  if (step.cache_type == ActType::kBFloat16)
+    qkv_attention<uint16_t>(threads, dots, w, dims, step, rope.data(), x2_in, chunks_left.get(), qkv.data(),
+                            scores.data(), attn.data());
+  else
+    qkv_attention<float>(threads, dots, w, dims, step, rope.data(), x2_in, chunks_left.get(), qkv.data(),
+                         scores.data(), attn.data());
 
-    gemv(team, kOLoop, dots, {w.matrix[kO], w.scale[kO], d, hidden_in, h1.data()}, q_width,
-         in.of(attn.data(), q_width));
-    rms_norm(h1.data(), w.norms + 2 * d, d, dims.eps, normed.data());
-    swiglu(team, dots, w, dims.intermediate, d, in.of(normed.data(), d), act.data());
-    gemv(team, kDownLoop, dots, {w.matrix[kDown], w.scale[kDown], d, h1.data(), h2.data()}, dims.intermediate,
-         in.of(act.data(), dims.intermediate));
-    rms_norm(h2.data(), w.norms + 3 * d, d, dims.eps, normed.data());
+  gemv(threads, dots, {w.matrix[kO], w.scale[kO], d, hidden_in, h1.data()}, q_width, in.of(attn.data(), q_width));
+  rms_norm(h1.data(), w.norms + 2 * d, d, dims.eps, normed.data());
+  swiglu(threads, dots, w, dims.intermediate, d, in.of(normed.data(), d), act.data());
+  gemv(threads, dots, {w.matrix[kDown], w.scale[kDown], d, h1.data(), h2.data()}, dims.intermediate,
+       in.of(act.data(), dims.intermediate));
+  rms_norm(h2.data(), w.norms + 3 * d, d, dims.eps, normed.data());
 
-    // lm_head with a per-thread top-k: the draft-vocab logits never leave this loop.
-    const GemvInput lm_in = in.of(normed.data(), d);
-    const int tid = omp_get_thread_num();
-    Candidate* mine = candidates.data() + static_cast<size_t>(tid) * k;
-    int64_t count = 0;
-    team.for_each(kLmHeadLoop, (dims.draft_vocab + kChunkRows - 1) / kChunkRows, [&](int64_t chunk) {
-      const int64_t r0 = chunk * kChunkRows, r1 = std::min(dims.draft_vocab, r0 + kChunkRows);
-      float logits[kChunkRows];
-      dot_rows(dots, w.matrix[kLmHead], w.scale[kLmHead], r0, r1, d, lm_in, logits);
-      for (int64_t r = r0; r < r1; ++r) push_top_k(mine, count, k, Candidate{logits[r - r0], r});
-    });
-    candidate_counts[tid] = count;
-  }
+  const GemvInput lm_in = in.of(normed.data(), d);
+  auto lm_head_chunk = [&](int64_t chunk) {
+    const int64_t r0 = chunk * kChunkRows, r1 = std::min(dims.draft_vocab, r0 + kChunkRows);
+    float logits[kChunkRows];
+    dot_rows(dots, w.matrix[kLmHead], w.scale[kLmHead], r0, r1, d, lm_in, logits);
+    Candidate* best = candidates.data() + chunk * chunk_k;
+    for (int64_t r = r0; r < r1; ++r)
+      push_top_k(best, candidate_counts[chunk], chunk_k, Candidate{logits[r - r0], r});
+  };
+  parallel_for(threads, lm_chunks, lm_head_chunk);
 
   std::vector<Candidate> merged(k);
   int64_t merged_count = 0;
-  for (int t = 0; t < num_threads; ++t)
-    for (int64_t i = 0; i < candidate_counts[t]; ++i)
-      push_top_k(merged.data(), merged_count, k, candidates[static_cast<size_t>(t) * k + i]);
+  for (int64_t c = 0; c < lm_chunks; ++c)
+    for (int64_t i = 0; i < candidate_counts[c]; ++i)
+      push_top_k(merged.data(), merged_count, k, candidates[c * chunk_k + i]);
   for (int64_t i = 0; i < k; ++i) step.out_ids[i] = merged[i].id + w.d2t[merged[i].id];
   for (int64_t i = 0; i < d; ++i) {
     if (step.input_type == ActType::kBFloat16)

@@ -1,6 +1,6 @@
 // The target runtime's CPU pieces (elsi_fast/targets/target_runtime.py): a small-batch linear layer and a
 // decode attention for forwards of 1..kLinearMaxRows tokens at batch 1, a fused RMSNorm, and the
-// thread pool the first two run on. No torch headers.
+// thread pool the first two run on (common/cpu_pool.h). No torch headers.
 //
 // All compute every output row in an order that does not depend on how many rows share the call,
 // so a verify forward of k+1 tokens equals k+1 one-token forwards bit for bit.
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/cpu_pool.h"
 #include "common/simd.h"
 #include "draft_decode.h"
 
@@ -64,11 +65,5 @@ void decode_attention_cpu(const DecodeAttention& a, int num_threads);
 // ------------------------------------------------------------------------------------- RMSNorm
 // y [rows, d] = weight * (x * (1 / sqrt(mean(x^2) + eps))) row by row, fp32.
 void rms_norm_cpu(const float* x, const float* weight, int64_t rows, int64_t d, float eps, float* y);
-
-// ------------------------------------------------------------------------------------- threads
-// fn(ctx, i) for every i in [0, n) on the calling thread and num_threads - 1 pool helpers. Helpers
-// claim work items from one atomic word and the caller waits only for items a helper has claimed,
-// so a helper the OS has descheduled (a busy neighbour process on its core) never holds a call up.
-void run_parallel(int num_threads, int64_t n, void (*fn)(void* ctx, int64_t i), void* ctx);
 
 }  // namespace elsi_fast
