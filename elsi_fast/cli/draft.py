@@ -280,6 +280,14 @@ def eval_interrupted(args: argparse.Namespace) -> str:
     return "no prompt had finished: rerun the command"
 
 
+def print_tau_table(taus: dict[str, float], prompts: dict[str, int]) -> None:
+    """tau per category, then pooled ("all"), with each row's prompt count."""
+    print(f"{'category':<24} {'prompts':>7} {'tau':>6}")
+    for category, tau in taus.items():
+        count = sum(prompts.values()) if category == "all" else prompts[category]
+        print(f"{category:<24} {count:>7} {tau:>6.3f}")
+
+
 def eval_handler(args: argparse.Namespace) -> int:
     from ..analysis.prompts import prompts_by_category
     from ..decoding.evaluation import pooled_tau, speculative_runs
@@ -313,10 +321,7 @@ def eval_handler(args: argparse.Namespace) -> int:
           f"target: {describe_target(model)}")
     print(f"draft backend: {backend}; calls over all prompts: "
           + ", ".join(f"{key} {count}" for key, count in draft_calls.items()))
-    print(f"{'category':<24} {'prompts':>7} {'tau':>6}")
-    for category, tau in taus.items():
-        count = sum(map(len, grouped.values())) if category == "all" else len(grouped[category])
-        print(f"{category:<24} {count:>7} {tau:>6.3f}")
+    print_tau_table(taus, {category: len(prompts) for category, prompts in grouped.items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,

@@ -119,7 +119,7 @@ def replay_handler(args: argparse.Namespace) -> int:
     from ..decoding.evaluation import continuation_samples, pooled_tau, replay_runs
     from ..draft.formats import read_draft
     from ..training.feature_cache import build, open_cache, target_fingerprint
-    from .draft import load_target
+    from .draft import load_target, print_tau_table
 
     model, _ = load_target(args)
     draft = read_draft(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
@@ -165,10 +165,7 @@ def replay_handler(args: argparse.Namespace) -> int:
     backend = next(iter(runs.values()))[0].draft_backend
     print(f"draft layers {layers}, k={args.k}, replayed on {sum(map(len, runs.values()))} cached continuations "
           f"of {args.replay_folder} (no target forward); draft: {backend}")
-    print(f"{'category':<24} {'prompts':>7} {'tau':>6}")
-    for category, tau in taus.items():
-        count = sum(map(len, runs.values())) if category == "all" else len(runs[category])
-        print(f"{category:<24} {count:>7} {tau:>6.3f}")
+    print_tau_table(taus, {category: len(results) for category, results in runs.items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": layers, "k": args.k, "replay": args.replay_folder,
