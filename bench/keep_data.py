@@ -72,7 +72,7 @@ def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens:
     engine = exported["settings"].get("engine", "transformers")
     written = restore_answers(model, tokenizer, prompts, folder, exported, max_new_tokens=max_new_tokens,
                               engine=engine)
-    print(f"restored {written} answers and the sampled instructions into {folder}")
+    print(f"restored {written} answers{' and the sampled instructions' if sampled else ''} into {folder}")
 
 
 def main(argv: list[str] | None = None) -> int:
