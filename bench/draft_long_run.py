@@ -48,6 +48,25 @@ def split(records: list[dict], seed: int = 0) -> tuple[list[dict], list[dict], l
     return train, held_in, [records[i] for i in held_out]
 
 
+def held_sets(records: list[dict], work: Path, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """`split`, fixed at the run's first data: the held sets' ids are kept in work/split.json, so
+    conversations appended to the data later (a longer `regenerate` run) all go to training and a
+    continued run is measured on the same unseen conversations."""
+    path = work / f"split-seed{seed}.json"
+    if not path.is_file():
+        _, held_in, held_out = split(records, seed)
+        work.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"held-in": [r["id"] for r in held_in], "held-out": [r["id"] for r in held_out]}))
+    ids = json.loads(path.read_text())
+    by_id = {r["id"]: r for r in records}
+    missing = [i for i in ids["held-in"] + ids["held-out"] if i not in by_id]
+    if missing:
+        raise SystemExit(f"--data: {len(missing)} conversations of {path} are not in the data (first {missing[0]})")
+    out = set(ids["held-out"])
+    return ([r for r in records if r["id"] not in out], [by_id[i] for i in ids["held-in"]],
+            [by_id[i] for i in ids["held-out"]])
+
+
 def keep_steps(steps: int, points: int = 8) -> list[int]:
     """About `points` log-spaced steps up to `steps` (the last one included)."""
     first = max(1, steps // 2 ** (points - 1))
@@ -73,6 +92,9 @@ def main() -> None:
     parser.add_argument("--set", default="elsi-m1", help="a layer set of the draft experiment's sets.json")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", default=None, metavar="CELL",
+                        help="continue a finished cell of this run (its final draft, a fresh schedule of --steps); "
+                        "the new cell is CELL+STEPS and its curve counts CELL's tokens")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=["held-in", "held-out", "spec-bench"],
                         help="the evaluation sets the curve stage replays")
@@ -95,10 +117,18 @@ def main() -> None:
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
     cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}"
+    parent_tokens = 0
+    if args.init_from is not None:
+        parent = work / args.init_from
+        if not (parent / SUMMARY_FILE).is_file():
+            raise SystemExit(f"--init-from: {parent} holds no finished run ({SUMMARY_FILE})")
+        parent_summary = json.loads((parent / SUMMARY_FILE).read_text())
+        parent_tokens = parent_summary.get("parent_tokens", 0) + sum(h["tokens"] for h in parent_summary["history"])
+        cell = work / f"{args.init_from}+{args.steps}"
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
-    train, held_in, held_out = split(records, args.seed)
+    train, held_in, held_out = held_sets(records, work, args.seed)
     samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
     evaluation = {"held-in": held_in, "held-out": held_out, "spec-bench": _spec_bench(model, tokenizer, work, keep)}
     caches = {}
@@ -117,7 +147,11 @@ def main() -> None:
     if "train" in args.stages:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
                     warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
-                    keep_steps=tuple(kept_steps), **RECIPE)
+                    keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else work / args.init_from,
+                    **RECIPE)
+        if args.init_from is not None:  # the curve of a continued cell counts its parent's tokens
+            summary = json.loads((cell / SUMMARY_FILE).read_text())
+            (cell / SUMMARY_FILE).write_text(json.dumps({**summary, "parent_tokens": parent_tokens}))
     if "curve" not in args.stages:
         return
     evaluation = {name: rows for name, rows in evaluation.items() if name in args.curve_sets}
@@ -126,7 +160,7 @@ def main() -> None:
                              dtype="bfloat16", progress=False)
     summary_path = cell / SUMMARY_FILE
     history = json.loads(summary_path.read_text())["history"] if summary_path.is_file() else []
-    tokens_at = {h["step"]: sum(x["tokens"] for x in history[: h["step"]]) for h in history}
+    tokens_at = {h["step"]: parent_tokens + sum(x["tokens"] for x in history[: h["step"]]) for h in history}
     results = ROOT / "bench" / "results" / f"{RESULTS}.jsonl"
     done = set()
     if results.is_file():
@@ -153,7 +187,8 @@ def main() -> None:
                        params={"model": args.model, "cell": cell.name, "set": name, "layers": layers, "step": step,
                                "tokens_seen": tokens_at.get(step), "conversations": len(train),
                                "prompts": sum(len(v) for v in runs[k].values()), "recipe": RECIPE,
-                               "steps": args.steps, "per_category": tau, "note": args.note, "pooled": True})
+                               "steps": args.steps, "init_from": args.init_from, "per_category": tau, "note": args.note,
+                               "pooled": True})
     _plot(results, args.model)
 
 

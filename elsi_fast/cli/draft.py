@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--init", choices=("random", "target"), default="random",
                        help="draft initialization: random, or warm-started from the target's last block, head rows "
                        "and final norm (default random)")
+    train.add_argument("--init-from", default=None, metavar="DRAFT",
+                       help="continue from this draft folder (a kept draft, more data or a second schedule): its "
+                       "weights and draft vocabulary, a fresh optimizer; same layers and --draft-vocab-size")
     train.add_argument("--cache-dir", default=None,
                        help="offline training: dump the target's states on the conversations here once (or reuse them)")
     train.add_argument("--cache-layers", type=int, nargs="+", default=None,
@@ -174,6 +177,8 @@ def train_check(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise UsageError(f"--init-from: {args.init_from} is not a draft folder (no config.json)")
     late = [step for step in args.keep_steps if step > args.steps]
     if late:
         raise UsageError(f"--keep-steps: steps past --steps {args.steps}: {late}")
@@ -223,7 +228,7 @@ def train_handler(args: argparse.Namespace) -> int:
         model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        init=args.init, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
+        init=args.init, init_from=args.init_from, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
         precision=args.precision, resume=not args.no_resume,
         progress=not args.no_progress,
     )

@@ -11,6 +11,8 @@ target once over every sample and stores, per token,
 The folder holds `meta.json` (what was dumped, from which target and data; the samples done so
 far) and one flat file per array. The size is known before anything is written and must stay
 under `max_bytes`; a dump interrupted by Ctrl-C or a crash continues where its last batch ended.
+A cache grows with its data: built again with more samples after the ones it holds (a
+`regenerate` run appends its new conversations), it keeps them and dumps only the new ones.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
           progress: bool = True) -> FeatureCache:
     """Dump (or continue dumping) the cache of `samples` for `layers` into `path`; see the module
     docstring. An existing complete cache of the same target and data that holds `layers` is
-    returned as it is; one of another target, data or layers is refused."""
+    returned as it is; one whose samples are a prefix of `samples` grows (the new ones are dumped);
+    one of another target, data or layers is refused."""
     if dtype not in _DTYPES:
         raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
     head = plain_lm_head(target)
@@ -144,6 +147,8 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
                 "layers": layers, "dim": dim, "dtype": dtype}
     if (path / META_FILE).is_file():
         meta = json.loads((path / META_FILE).read_text())
+        if {k: meta.get(k) for k in identity} != identity and _is_prefix(meta, identity, samples):
+            meta = _grow(path, meta, identity, lengths, element, size, max_bytes)
         if {k: meta.get(k) for k in identity} != identity:
             held = {k: meta.get(k) for k in ("layers", "dtype")}
             raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set ({held}); "
@@ -169,6 +174,34 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
         cache = FeatureCache(path, meta)
     _fill(target, samples, cache, batch_size, progress)
     return cache
+
+
+def _is_prefix(meta: dict, identity: dict, samples: Sequence[Sample]) -> bool:
+    """Whether the cache holds the first samples of `samples` from the same target and layers (a
+    regenerate run appends its new conversations after the old ones)."""
+    held = len(meta["lengths"])
+    same = all(meta.get(k) == identity[k] for k in identity if k != "samples")
+    return same and held < len(samples) and meta["samples"] == samples_fingerprint(samples[:held])
+
+
+def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], element: int, size: int,
+          max_bytes: int) -> dict:
+    """Extend a cache to the longer sample list: the dumped samples stay, the new ones are queued
+    after them (longest first) and dumped by `_fill`."""
+    if size > max_bytes:
+        raise ValueError(f"max_cache_bytes: growing {path} to {len(lengths)} samples needs {size / 2**30:.2f} GiB, "
+                         f"over the bound {max_bytes / 2**30:.2f} GiB")
+    held, tokens = len(meta["lengths"]), sum(lengths)
+    width = len(meta["layers"]) * meta["dim"]
+    for name, columns in (("features", width), ("final", meta["dim"])):
+        with open(path / f"{name}.bin", "r+b") as f:
+            f.truncate(tokens * columns * element)
+    new = sorted(range(held, len(lengths)), key=lambda i: -lengths[i])
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    meta = {**meta, **identity, "offsets": [int(o) for o in offsets], "lengths": lengths, "tokens": tokens,
+            "bytes": size, "order": meta["order"] + new}
+    _write_meta(path, meta)
+    return meta
 
 
 def _write_meta(path: Path, meta: dict) -> None:

@@ -240,6 +240,25 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
         offset += g.numel()
 
 
+def _continued_draft(path: "str | os.PathLike", config: Eagle3Config, embed: torch.Tensor) -> Eagle3Draft:
+    """The draft at `path` in fp32, refused unless it has this run's layers and shape."""
+    from ..draft.formats import read_draft
+
+    try:
+        start = read_draft(path, embed, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"init_from: {path} is not a readable draft folder ({error})") from None
+    if list(start.config.aux_layer_ids) != list(config.aux_layer_ids):
+        raise ValueError(f"init_from: {path} reads layers {list(start.config.aux_layer_ids)}, "
+                         f"this run {list(config.aux_layer_ids)}")
+    theirs, ours = start.config.to_dict(), config.to_dict()
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if differ:
+        raise ValueError(f"init_from: {path} differs from this run's draft in {', '.join(differ)} "
+                         f"({', '.join(f'{k}={theirs.get(k)!r} vs {ours.get(k)!r}' for k in differ[:3])})")
+    return start
+
+
 def init_from_target(draft: Eagle3Draft, target) -> None:
     """Warm start: the draft's layer from the target's last block where shapes allow and the block
     computes what the draft's Llama layer does, its final norm and head rows from the target's. fc
@@ -322,6 +341,7 @@ def train_draft(
     weight_decay: float = 0.0,
     seed: int = 0,
     init: str = "random",
+    init_from: "str | os.PathLike | None" = None,
     feature_cache: "FeatureCache | None" = None,
     save_every: int = 50,
     keep_steps: Sequence[int] = (),
@@ -338,7 +358,9 @@ def train_draft(
     training). draft_config: `Eagle3Config` field overrides (default: the target's block shape).
     draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
     min(vocab, 1024)). ttt_steps: training-time-test depth (EAGLE3 uses 7). init: "random" or
-    "target" (`init_from_target`). batch_size is the global batch: under torch.distributed each rank
+    "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
+    schedule for a kept draft): its weights and draft vocabulary (`draft_vocab_size` must be its
+    size), with a fresh optimizer and schedule; its layers and shape must be this run's. batch_size is the global batch: under torch.distributed each rank
     takes its share of every step's batch and the gradients are summed, which gives the weights of
     one process on the same batches (to float tolerance). The training state is saved to `out_dir`
     every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt is
@@ -372,15 +394,19 @@ def train_draft(
     start_time = time.perf_counter()
 
     source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
-    vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
+    config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
+    embed = target.get_input_embeddings().weight.detach()
+    start = None if init_from is None else _continued_draft(init_from, config, embed)
+    vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size) if start is None \
+        else start.draft_to_target(torch.arange(draft_vocab_size))
     # A token outside the draft vocabulary can never be drafted: the share inside caps acceptance.
     coverage = float(torch.isin(predicted, vocab_ids).float().mean()) if predicted.numel() else 1.0
-    config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
     torch.manual_seed(seed)
-    embed = target.get_input_embeddings().weight.detach()
     draft = Eagle3Draft(config, embed)
     draft.set_draft_vocab(vocab_ids)
-    if init == "target":
+    if start is not None:
+        draft.load_state_dict(start.state_dict())
+    elif init == "target":
         init_from_target(draft, target)
     device = embed.device
     requested_precision, precision = precision, training_precision(precision, device)
@@ -392,6 +418,8 @@ def train_draft(
     run_args = {"layers": layers, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
                 "warmup": warmup, "ttt_steps": ttt_steps, "weight_decay": weight_decay, "seed": seed,
                 "draft_vocab_size": draft_vocab_size, "init": init, "data": data_kind, "config": config.to_dict()}
+    if init_from is not None:
+        run_args["init_from"] = str(Path(init_from).resolve())
     step, history = 0, []
     if resume and state_path.is_file():
         state = load_state(state_path, "resume")

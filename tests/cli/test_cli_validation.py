@@ -82,6 +82,7 @@ def _bad_inputs(t: dict, tmp) -> list[tuple[list[str], str]]:
         (train + ["--layers", "1", "--precision", "fp16"], "--precision"),
         (train + ["--report", str(tmp / "none.json")], "--report: no such file"),
         (train + ["--layers", "-1"], "--layers"),
+        (train + ["--layers", "1", "--init-from", str(no_config)], f"--init-from: {no_config} is not a draft folder"),
         (train + ["--layers", "1", "--lr", "0"], "--lr"),
         (train + ["--layers", "1", "--seq-len", "2"], "--seq-len"),
         (train[:4] + [str(tmp / "missing.txt")] + train[5:] + ["--layers", "1"], "--data: no such file"),

@@ -70,3 +70,21 @@ def test_bound_other_layers_and_bfloat16(samples, tmp_path):
     torch.testing.assert_close(half.batch(samples, [0], [1])[3], full.batch(samples, [0], [1])[3], rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="cache_dtype"):
         fc.build(TARGET, samples, [1], tmp_path / "d", dtype="fp8")
+
+
+def test_a_cache_grows_with_samples_appended_to_its_data(samples, tmp_path):
+    first = fc.build(TARGET, samples[:5], [2], tmp_path / "grown", batch_size=2, progress=False)
+    before = [t.clone() for t in first.batch(samples, range(5), [2])]
+    grown = fc.build(TARGET, samples, [2], tmp_path / "grown", batch_size=2, progress=False)
+    whole = fc.build(TARGET, samples, [2], tmp_path / "whole", batch_size=2, progress=False)
+    assert grown.complete and grown.meta["samples"] == whole.meta["samples"] and grown.nbytes == whole.nbytes
+    for kept, again in zip(before, grown.batch(samples, range(5), [2])):
+        assert torch.equal(kept, again)  # the dumped samples are not dumped again
+    for got, want in zip(grown.batch(samples, range(9), [2]), whole.batch(samples, range(9), [2])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # other batches, same math
+    assert fc.open_cache(tmp_path / "grown").meta == grown.meta
+    # Not a prefix (reordered or edited data) is still refused.
+    with pytest.raises(ValueError, match="another target, data or layer set"):
+        fc.build(TARGET, samples[1:] + samples[:1], [2], tmp_path / "whole", progress=False)
+    with pytest.raises(ValueError, match="max_cache_bytes: growing"):
+        fc.build(TARGET, list(samples) + list(samples[:2]), [2], tmp_path / "grown", max_bytes=1000, progress=False)

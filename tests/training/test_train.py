@@ -309,3 +309,24 @@ def test_keep_steps_keep_the_draft_of_those_steps(samples, tmp_path):
                for name, tensor in weights["step-000002"].items())
     with pytest.raises(ValueError, match="keep_steps: expected steps in 1..6"):
         train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad", keep_steps=(7,), **args)
+
+
+def test_init_from_continues_a_kept_draft_with_its_weights_and_vocabulary(samples, tmp_path):
+    first = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "first", **CONVERSATION_ARGS)
+    # A near-zero learning rate leaves the continued draft where the kept one ended, on other data
+    # whose own most frequent tokens would give another vocabulary.
+    args = {**CONVERSATION_ARGS, "steps": 1, "lr": 1e-30}
+    again = train_draft(TARGET, TOKENIZER, [2], samples[:2], out_dir=tmp_path / "again",
+                        init_from=tmp_path / "first", **args)
+    for name, tensor in first.draft.state_dict().items():
+        assert torch.equal(again.draft.state_dict()[name], tensor), name
+    fresh = train_draft(TARGET, TOKENIZER, [2], samples[:2], out_dir=tmp_path / "fresh", **args)
+    assert again.summary["history"][0]["loss"] < fresh.summary["history"][0]["loss"]
+    assert again.summary["init_from"] == str((tmp_path / "first").resolve())
+    with pytest.raises(ValueError, match=r"init_from: .* reads layers \[2\], this run \[3\]"):
+        train_draft(TARGET, TOKENIZER, [3], samples, out_dir=tmp_path / "bad", init_from=tmp_path / "first", **args)
+    with pytest.raises(ValueError, match="init_from: .* differs from this run's draft in draft_vocab_size"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad2", init_from=tmp_path / "first",
+                    **{**args, "draft_vocab_size": 8})
+    with pytest.raises(ValueError, match="init_from: .* is not a readable draft folder"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad3", init_from=tmp_path / "none", **args)
