@@ -33,10 +33,20 @@ def tau_table(cell: str, step: int) -> dict[str, dict[str, float]]:
     return table
 
 
+def _parent_steps(cell: Path) -> int:
+    """The steps of the cells a continued cell grew from (`<parent>+<steps>` names)."""
+    from elsi_fast.training.train import SUMMARY_FILE
+
+    if "+" not in cell.name:
+        return 0
+    parent = cell.parent / cell.name.rsplit("+", 1)[0]
+    return _parent_steps(parent) + json.loads((parent / SUMMARY_FILE).read_text())["history"][-1]["step"]
+
+
 def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     import torch
 
-    from bench.draft_long_run import split
+    from bench.draft_long_run import held_sets
     from elsi_fast.draft import read_draft, write_draft
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.train import SUMMARY_FILE
@@ -47,7 +57,7 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     if not table:
         raise SystemExit(f"cell: no curve rows for {cell.name} step {step} in {CURVE}; run the long run's curve stage first")
     layers = list(summary["layers"])
-    train = split(read_conversations(data / CONVERSATIONS_FILE), summary["seed"])[0]
+    train = held_sets(read_conversations(data / CONVERSATIONS_FILE), cell.parent, summary["seed"])[0]
     out = DRAFTS / model / f"{layer_set}-{'-'.join(map(str, layers))}"
     draft = read_draft(cell).to(torch.bfloat16)
     write_draft(draft, out)
@@ -60,10 +70,12 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
         "layer_set": layer_set,
         "conversations": len(train),
         "answer_tokens": sum(len(r["response_ids"]) for r in train),
-        "tokens_seen": sum(h["tokens"] for h in summary["history"]),
-        "steps": step,
-        "recipe": {key: summary.get(key) for key in ("init", "draft_vocab_size", "ttt_steps", "batch_size", "lr",
-                                                     "warmup", "seq_len", "weight_decay", "seed")},
+        # A continued cell (draft_long_run --init-from) counts its parents' tokens and steps too.
+        "tokens_seen": summary.get("parent_tokens", 0) + sum(h["tokens"] for h in summary["history"]),
+        "steps": _parent_steps(cell) + step,
+        "recipe": {key: summary.get(key) for key in ("init", "init_from", "draft_vocab_size", "ttt_steps",
+                                                     "batch_size", "lr", "warmup", "seq_len", "weight_decay", "seed")
+                   if key in summary},
         "draft_vocab_coverage": summary.get("draft_vocab_coverage"),
         "final_loss": summary["final_loss"],
         "tau": table,

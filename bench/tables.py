@@ -313,16 +313,22 @@ LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
 LONG_RUN_SETS = ("held-in", "held-out", "spec-bench")
 
 
-def long_run_curve(cell: str) -> Callable[[Results], list[str]]:
-    """Reads tau_k4 of each kept step of one long-run cell on its three evaluation sets (params.set),
-    with the training tokens it had seen (params.tokens_seen)."""
+def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
+    """Reads tau_k4 of each kept step of a long run's cells (a cell and the cells continuing it,
+    `draft_long_run --init-from`, named `<parent>+<steps>`) on the three evaluation sets
+    (params.set), with the training tokens seen since the first cell's start (params.tokens_seen)."""
 
     def render(results: Results) -> list[str]:
-        steps = sorted({row["params"]["step"] for row in results.rows(LONG_RUN.file) if row["params"]["cell"] == cell})
-        body = []
-        for step in steps:
-            rows = [LONG_RUN.pick(results, "tau_k4", cell=cell, step=step, set=name) for name in LONG_RUN_SETS]
-            body.append([str(step), f"{rows[0]['params']['tokens_seen'] / 1e6:.2f}M", *(f"{r['value']:.3f}" for r in rows)])
+        body, done = [], 0
+        for cell in cells:
+            rows = [r for r in results.rows(LONG_RUN.file) if r["params"]["cell"] == cell and r["params"]["model"] == model]
+            steps = sorted({row["params"]["step"] for row in rows})
+            for step in steps:
+                picked = [LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
+                          for name in LONG_RUN_SETS]
+                label = f"{done} + {step}" if done else str(step)
+                body.append([label, f"{picked[0]['params']['tokens_seen'] / 1e6:.2f}M", *(f"{r['value']:.3f}" for r in picked)])
+            done += max(steps, default=0)
         return markdown(["step", "training tokens seen", "held in (200)", "held out (200)", "Spec-Bench (480)"], body)
 
     return render
@@ -377,7 +383,7 @@ TABLES: tuple[Table, ...] = (
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/*",
           llamacpp_real),
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("elsi-m1-seed0-steps480")),
+          "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480")),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
