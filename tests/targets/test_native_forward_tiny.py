@@ -92,10 +92,11 @@ def test_without_the_row_permutation_the_logits_are_wrong(tmp_path):
 
 def test_reader_refuses_other_types_and_architectures(tmp_path):
     write_tiny(tmp_path / "f16.gguf", q_type="F16")
-    with pytest.raises(ValueError, match="blk.0.attn_q.weight of .* is F16; the native forward reads Q4_0, Q4_1, Q8_0"):
+    reads = "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"
+    with pytest.raises(ValueError, match=f"blk.0.attn_q.weight of .* is F16; the native forward reads {reads}$"):
         read_gguf_target(tmp_path / "f16.gguf")
     write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match="is a 'qwen2' model; the native forward supports llama"):
+    with pytest.raises(ValueError, match="is a 'qwen2' model; the native forward supports llama, gemma3$"):
         read_gguf_target(tmp_path / "qwen.gguf")
 
 
