@@ -126,13 +126,16 @@ def _rope_scale(reader, arch: str, path: Path) -> float:
 
 
 def _gemma3_settings(reader, layers: int, path: Path) -> Gemma3Settings:
+    # Newer converters write the pattern: one flag per layer (true: sliding) or a period n (every
+    # n-th layer global).
     pattern = reader.fields.get("gemma3.attention.sliding_window_pattern")
-    if pattern is not None:  # newer converters write one flag per layer
-        sliding = [bool(v) for v in pattern.contents()]
+    pattern = pattern.contents() if pattern is not None else GEMMA3_SLIDING_PATTERN
+    if isinstance(pattern, list):
+        sliding = [bool(v) for v in pattern]
         if len(sliding) != layers:
             raise ValueError(f"model: {path} has {len(sliding)} sliding-window flags for {layers} layers")
     else:
-        sliding = [(i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(layers)]
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
     return Gemma3Settings(
         sliding_window=int(_field(reader, "gemma3.attention.sliding_window", path)),
         sliding_layers=sliding,
