@@ -11,9 +11,10 @@ contender once; medians over --rounds):
               --prompts chat instructions, --tokens new tokens each; its tokens are checked equal
               to the native greedy tokens of the same prompt, timed in the same round.
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
-into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the rows),
-without draft rows unless --draft names a draft trained for it. Also the native forward's verify cost: a 5-token forward (k = 4 drafted tokens)
-against a 1-token forward at --context positions, each rolled back.
+into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
+rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
+verify cost: a 5-token forward (k = 4 drafted tokens) against a 1-token forward at --context
+positions, each rolled back.
   -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
      greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
                                              threads (ratio = native / llama.cpp; TARGET >= 1.0)
@@ -226,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_record:
             continue
         device = f"{cpu_model()} ({threads} threads)"
-        params = {"model": args.model, "file": files[kind].name, "type": kind, "threads": threads, "tokens": args.tokens,
+        params = {"model": args.model, "file": files[kind].name, "type": kind, "threads": threads,
+                  "tokens": args.tokens,
                   "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name}
         record(RESULTS_FILE, BENCHMARK, f"greedy_tokens_per_s/{kind}/threads={threads}", ours, "tokens/s",
                device=device, baseline=theirs, ratio=ours / theirs, params=params)

@@ -1,6 +1,7 @@
-// The fused forward of native_target.h (Gemma 3's blocks: native_gemma3.cpp): transformers' Llama decoder (RMSNorm, attention with RoPE
-// and GQA, SiLU-gated MLP, final norm, head) on GGUF blocks, with the target runtime's kernels
-// (RMSNorm, decode attention, the thread pool) and quant_linear's products.
+// The fused forward of native_target.h (Gemma 3's blocks: native_gemma3.cpp): transformers' Llama
+// decoder (RMSNorm, attention with RoPE and GQA, SiLU-gated MLP, final norm, head) on GGUF blocks,
+// with the target runtime's kernels (RMSNorm, decode attention, the thread pool) and quant_linear's
+// products.
 
 #include "native_target.h"
 

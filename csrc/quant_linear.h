@@ -20,7 +20,9 @@
 namespace elsi_fast {
 
 // ggml's type ids, as the GGUF file names them.
-enum class GgmlType : int32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum class GgmlType : int32_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
+};
 constexpr int64_t kQuantBlock = 32;
 
 // Columns (32, or 256 for a super-block type) and bytes of one block of `type`; 0 for a type this
