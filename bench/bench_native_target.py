@@ -11,8 +11,10 @@ contender once; medians over --rounds):
               --prompts chat instructions, --tokens new tokens each; its tokens are checked equal
               to the native greedy tokens of the same prompt, timed in the same round.
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
-into the cache). Also the native forward's verify cost: a 5-token forward (k = 4 drafted tokens)
-against a 1-token forward at --context positions, each rolled back.
+into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
+rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
+verify cost: a 5-token forward (k = 4 drafted tokens) against a 1-token forward at --context
+positions, each rolled back.
   -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
      greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
                                              threads (ratio = native / llama.cpp; TARGET >= 1.0)
@@ -22,12 +24,14 @@ against a 1-token forward at --context positions, each rolled back.
 Every row holds all samples and the load average: on a shared machine only rows from quiet cores
 are a verdict (--no-record for a smoke run).
 
-Run from the repository root: `python -m bench.bench_native_target [--rounds 5] [--tokens 128] [--threads 1 2]`.
+Run from the repository root:
+`python -m bench.bench_native_target [--model gemma3-270m] [--rounds 5] [--tokens 128] [--threads 1 2]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -48,7 +52,8 @@ from elsi_fast.targets.native_forward import NativeForward
 RESULTS_FILE = "native_target_cpu"
 BENCHMARK = "native_target_decode"
 TARGET = "smollm2-135m-instruct"
-BOS = 1
+# Each model's package file type (the others are re-rounded from it).
+PACKAGE_TYPES = {TARGET: "Q4_1", "gemma3-270m": "Q4_K_M"}
 DRAFT = Path(__file__).resolve().parent / "results" / "drafts" / TARGET / "elsi-m1-11"
 # Chat instructions of several kinds (none from Spec-Bench or MT-bench).
 INSTRUCTIONS = (
@@ -59,14 +64,16 @@ INSTRUCTIONS = (
 )
 
 
-def gguf_files(types: list[str]) -> dict[str, Path]:
-    """The package's Q4_1 file, and the other types re-rounded from it into the cache (once)."""
-    source = catalog.resolve(TARGET)
+def gguf_files(types: list[str], model: str = TARGET) -> dict[str, Path]:
+    """The package's file, and the other types re-rounded from it into the cache (once)."""
+    source = catalog.resolve(model)
     files = {}
     for kind in types:
-        if kind == "Q4_1":
+        if kind == PACKAGE_TYPES[model]:
             files[kind] = source
             continue
+        if model != TARGET:
+            raise ValueError(f"--types: {model} runs its package's {PACKAGE_TYPES[model]} file only")
         path = cache_root() / "models" / source.name.replace("Q4_1", kind)
         files[kind] = path if path.is_file() else requantize_gguf(source, path, kind)
     return files
@@ -83,9 +90,16 @@ def llamacpp_greedy(path: Path, tokens: int, threads: int) -> tuple[float, dict]
     return float(row["avg_ts"]), {"build_commit": row.get("build_commit"), "build_number": row.get("build_number")}
 
 
+@functools.lru_cache
+def bos_token(path: Path) -> int:
+    import gguf
+
+    return int(gguf.GGUFReader(str(path), "r").fields["tokenizer.ggml.bos_token_id"].contents())
+
+
 def native_greedy(model: NativeForward, tokens: int) -> float:
     model.reset()
-    token = int(np.argmax(model.forward([BOS])[0][0]))
+    token = int(np.argmax(model.forward([bos_token(model.weights.path)])[0][0]))
     start = time.perf_counter()
     for _ in range(tokens):
         token = int(np.argmax(model.forward([token])[0][0]))
@@ -137,18 +151,29 @@ def native_draft_round(model: NativeForward, draft, prompts: list[list[int]], to
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0"], choices=["Q4_0", "Q4_1", "Q8_0"])
+    parser.add_argument("--model", default=TARGET, choices=list(PACKAGE_TYPES))
+    parser.add_argument("--types", nargs="+", default=None, choices=["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"],
+                        help="GGUF files (default: SmolLM2 Q4_1 and Q8_0; Gemma 3 its Q4_K_M)")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="KV positions of the verify-cost forwards")
-    parser.add_argument("--k", nargs="*", type=int, default=[1, 2, 3], help="draft lengths (none: no draft rows)")
+    parser.add_argument("--k", nargs="*", type=int, default=None,
+                        help="draft lengths (none: no draft rows; default 1 2 3 with SmolLM2's kept draft)")
     parser.add_argument("--prompts", type=int, default=4, help=f"chat instructions (at most {len(INSTRUCTIONS)})")
-    parser.add_argument("--draft", type=Path, default=DRAFT)
+    parser.add_argument("--draft", type=Path, default=None, help="a draft for --model (default: SmolLM2's kept one)")
     parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
     args = parser.parse_args(argv)
+    if args.types is None:
+        args.types = ["Q4_1", "Q8_0"] if args.model == TARGET else [PACKAGE_TYPES[args.model]]
+    if args.draft is None and args.model == TARGET:
+        args.draft = DRAFT
+    if args.k is None:
+        args.k = [1, 2, 3] if args.draft is not None else []
+    if args.k and args.draft is None:
+        parser.error(f"--k: {args.model} has no kept draft; name one with --draft")
 
-    files = gguf_files(args.types)
+    files = gguf_files(args.types, args.model)
     load_before = os.getloadavg()
     samples: dict[tuple[str, int], dict[str, list[float]]] = {}
     prompts = chat_prompts(files[args.types[0]], args.prompts) if args.k else []
@@ -202,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_record:
             continue
         device = f"{cpu_model()} ({threads} threads)"
-        params = {"file": files[kind].name, "type": kind, "threads": threads, "tokens": args.tokens,
+        params = {"model": args.model, "file": files[kind].name, "type": kind, "threads": threads,
+                  "tokens": args.tokens,
                   "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name}
         record(RESULTS_FILE, BENCHMARK, f"greedy_tokens_per_s/{kind}/threads={threads}", ours, "tokens/s",
                device=device, baseline=theirs, ratio=ours / theirs, params=params)

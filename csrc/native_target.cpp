@@ -1,6 +1,7 @@
-// The fused forward of native_target.h: transformers' Llama decoder (RMSNorm, attention with RoPE
-// and GQA, SiLU-gated MLP, final norm, head) on GGUF blocks, with the target runtime's kernels
-// (RMSNorm, decode attention, the thread pool) and quant_linear's products.
+// The fused forward of native_target.h (Gemma 3's blocks: native_gemma3.cpp): transformers' Llama
+// decoder (RMSNorm, attention with RoPE and GQA, SiLU-gated MLP, final norm, head) on GGUF blocks,
+// with the target runtime's kernels (RMSNorm, decode attention, the thread pool) and quant_linear's
+// products.
 
 #include "native_target.h"
 
@@ -54,6 +55,13 @@ NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weig
   require(c.capacity > 0, "capacity must be positive");
   require(static_cast<int64_t>(w_.layers.size()) == c.layers, "one weight set per layer");
   require(static_cast<int64_t>(w_.inv_freq.size()) == c.head_dim / 2, "inv_freq must hold head_dim / 2 values");
+  if (c.gemma3) {
+    require(static_cast<int64_t>(w_.inv_freq_local.size()) == c.head_dim / 2,
+            "inv_freq_local must hold head_dim / 2 values");
+    require(c.sliding_window > 0 && c.query_scale > 0.f, "Gemma 3 needs a sliding window and a query scale");
+    for (const NativeLayer& l : w_.layers)
+      require(l.q_norm && l.k_norm && l.post_attn_norm && l.post_ffn_norm, "every Gemma 3 layer needs its six norms");
+  }
   const int64_t d = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
   check_matrix(w_.embed, c.vocab, d, "embed");
   check_matrix(w_.head, c.vocab, d, "head");
@@ -81,7 +89,7 @@ void NativeTarget::rollback(int64_t position) {
 
 void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads) {
   const NativeTargetConfig& c = config_;
-  const int64_t d = c.hidden, hd = c.head_dim, kvd = c.kv_heads * hd;
+  const int64_t d = c.hidden, hd = c.head_dim;
   rms_norm_cpu(h_.data(), w.attn_norm, n, d, c.eps, xn_.data());
   quantize_input(xn_.data(), n, d, xq_);
   const QuantMatrix qkv[3] = {w.q, w.k, w.v};
@@ -89,13 +97,28 @@ void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t 
   quant_linear_cpu(qkv, outs, 3, xq_, num_threads);
   rope(q_.data(), n, c.heads, hd, length_, w_.inv_freq);
   rope(k_.data(), n, c.kv_heads, hd, length_, w_.inv_freq);
-  const int64_t layer_offset = layer * c.kv_heads * c.capacity * hd;
+  append_kv(layer, n);
+  attend(layer, n, 1.0f / std::sqrt(static_cast<float>(hd)), 0, num_threads);
+  quantize_input(att_.data(), n, c.heads * hd, xq_);
+  float* const proj[1] = {proj_.data()};
+  quant_linear_cpu(&w.o, proj, 1, xq_, num_threads);
+  for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
+}
+
+void NativeTarget::append_kv(int64_t layer, int64_t n) {
+  const NativeTargetConfig& c = config_;
+  const int64_t hd = c.head_dim, kvd = c.kv_heads * hd, layer_offset = layer * c.kv_heads * c.capacity * hd;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < c.kv_heads; ++g) {
       const int64_t slot = layer_offset + (g * c.capacity + length_ + t) * hd;
       std::copy_n(k_.data() + t * kvd + g * hd, hd, k_cache_.data() + slot);
       std::copy_n(v_.data() + t * kvd + g * hd, hd, v_cache_.data() + slot);
     }
+}
+
+void NativeTarget::attend(int64_t layer, int64_t n, float scale, int64_t window, int num_threads) {
+  const NativeTargetConfig& c = config_;
+  const int64_t hd = c.head_dim, layer_offset = layer * c.kv_heads * c.capacity * hd;
   DecodeAttention a{};
   a.q = q_.data();
   a.q_head_stride = hd;
@@ -109,13 +132,22 @@ void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t 
   a.rows = n;
   a.keys = length_ + n;
   a.head_dim = hd;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  a.scale = scale;
   a.out = att_.data();
-  decode_attention_cpu(a, num_threads);
-  quantize_input(att_.data(), n, c.heads * hd, xq_);
-  float* const proj[1] = {proj_.data()};
-  quant_linear_cpu(&w.o, proj, 1, xq_, num_threads);
-  for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
+  if (window <= 0) return decode_attention_cpu(a, num_threads);
+  // A row's window starts where the row's position says, so rows run one by one (and a row's
+  // result is the same in a verify as in a one-token forward).
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t position = length_ + t, first = std::max<int64_t>(0, position - window + 1);
+    DecodeAttention r = a;
+    r.q = q_.data() + t * c.heads * hd;
+    r.k = a.k + first * hd;
+    r.v = a.v + first * hd;
+    r.rows = 1;
+    r.keys = position + 1 - first;
+    r.out = att_.data() + t * c.heads * hd;
+    decode_attention_cpu(r, num_threads);
+  }
 }
 
 void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
@@ -159,10 +191,17 @@ void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* logi
         for (int64_t t = 0; t < n; ++t) std::copy_n(h_.data() + t * d, d, aux + (t * n_aux + i) * d);
   };
   for (int64_t t = 0; t < n; ++t) dequantize_row(w_.embed, tokens[t], h_.data() + t * d);
+  if (c.gemma3)
+    for (int64_t i = 0; i < n * d; ++i) h_[i] *= c.embed_scale;
   for (int64_t l = 0; l < c.layers; ++l) {
     capture(l);
-    attention_block(w_.layers[l], l, n, num_threads);
-    mlp_block(w_.layers[l], n, num_threads);
+    if (c.gemma3) {
+      gemma3_attention_block(w_.layers[l], l, n, num_threads);
+      gemma3_mlp_block(w_.layers[l], n, num_threads);
+    } else {
+      attention_block(w_.layers[l], l, n, num_threads);
+      mlp_block(w_.layers[l], n, num_threads);
+    }
   }
   capture(c.layers);
   length_ += n;

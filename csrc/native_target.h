@@ -1,4 +1,4 @@
-// The fused native forward of a Llama-family target (docs/native-target.md): one call runs the
+// The fused native forward of a Llama-family or Gemma 3 target (docs/native-target.md): one call runs the
 // whole decoder stack for 1..kLinearMaxRows new tokens on GGUF-quantized weights (quant_linear.h)
 // and a KV cache this object owns. No torch headers.
 //
@@ -23,16 +23,29 @@ struct NativeTargetConfig {
   int64_t vocab;
   int64_t capacity;   // KV cache positions
   float eps;          // RMSNorm epsilon
+  // Gemma 3 (native_gemma3.cpp): false for a Llama, which ignores the rest.
+  bool gemma3 = false;
+  float embed_scale = 1.f;     // the embedding row times sqrt(hidden)
+  float query_scale = 0.f;     // query_pre_attn_scalar^-1/2 (a Llama: 1 / sqrt(head_dim))
+  int64_t sliding_window = 0;  // keys a sliding layer's query sees, its own included
 };
 
-// Weights as the GGUF file holds them. q and k rows are in the file's RoPE layout: llama.cpp's
-// converter permutes each head's rows so that rotating pairs (2i, 2i+1) equals transformers'
-// rotate_half on the original rows; attention scores do not see the permutation.
+// Weights as the GGUF file holds them. A Llama's q and k rows are in the file's RoPE layout:
+// llama.cpp's converter permutes each head's rows so that rotating pairs (2i, 2i+1) equals
+// transformers' rotate_half on the original rows; attention scores do not see the permutation.
+// Gemma 3's rows are transformers' own (rotate_half: pairs (i, i + hd/2)), and its norm weights are
+// stored as 1 + w, the factor Gemma's RMSNorm applies, so every norm here is weight * x / rms(x).
 struct NativeLayer {
   const float* attn_norm;  // [d]
   QuantMatrix q, k, v, o;  // [H hd, d], [H_kv hd, d], [H_kv hd, d], [d, H hd]
   const float* ffn_norm;   // [d]
   QuantMatrix gate, up, down;  // [ffn, d], [ffn, d], [d, ffn]
+  // Gemma 3 only (null for a Llama).
+  const float* q_norm = nullptr;          // [hd], per head
+  const float* k_norm = nullptr;          // [hd]
+  const float* post_attn_norm = nullptr;  // [d]
+  const float* post_ffn_norm = nullptr;   // [d]
+  bool sliding = false;                   // sliding-window layer (local RoPE base)
 };
 
 struct NativeTargetWeights {
@@ -41,6 +54,7 @@ struct NativeTargetWeights {
   const float* final_norm;  // [d]
   QuantMatrix head;         // [vocab, d] (the embedding when tied)
   std::vector<float> inv_freq;  // [head_dim / 2]: angle of pair i at position p = float(p) * inv_freq[i]
+  std::vector<float> inv_freq_local;  // Gemma 3's sliding layers (their own RoPE base); else empty
 };
 
 class NativeTarget {
@@ -65,6 +79,14 @@ class NativeTarget {
  private:
   void attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
   void mlp_block(const NativeLayer& w, int64_t n, int num_threads);
+  // Gemma 3's blocks (native_gemma3.cpp).
+  void gemma3_attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
+  void gemma3_mlp_block(const NativeLayer& w, int64_t n, int num_threads);
+  // k_ and v_ of the n new rows into the cache of `layer`.
+  void append_kv(int64_t layer, int64_t n);
+  // att_ = attention of the n rows of q_ over the cache of `layer` (causal); window > 0: a row at
+  // position p sees keys (p - window, p] only, one row at a time.
+  void attend(int64_t layer, int64_t n, float scale, int64_t window, int num_threads);
 
   NativeTargetConfig config_;
   NativeTargetWeights w_;

@@ -28,9 +28,9 @@ QuantMatrix to_matrix(const py::tuple& t, py::list& keep) {
   const int32_t type = t[0].cast<int32_t>();
   Bytes data = t[1].cast<Bytes>();
   const int64_t rows = t[2].cast<int64_t>(), cols = t[3].cast<int64_t>();
-  const int64_t block = ggml_block_bytes(type);
+  const int64_t block = ggml_block_bytes(type), block_cols = ggml_block_cols(type);
   if (block == 0) throw std::invalid_argument("ggml type " + std::to_string(type) + " is not supported");
-  if (cols % kQuantBlock != 0 || static_cast<int64_t>(data.size()) != rows * (cols / kQuantBlock) * block)
+  if (cols % block_cols != 0 || static_cast<int64_t>(data.size()) != rows * (cols / block_cols) * block)
     throw std::invalid_argument("blocks of " + std::to_string(data.size()) + " bytes do not hold a [" +
                                 std::to_string(rows) + ", " + std::to_string(cols) + "] matrix of ggml type " +
                                 std::to_string(type));
@@ -51,21 +51,34 @@ struct BoundTarget {
   std::unique_ptr<NativeTarget> target;
 };
 
+// dims and each layer dict hold Gemma 3's extra keys (gemma3, embed_scale, query_scale,
+// sliding_window; attn_q_norm, attn_k_norm, post_attention_norm, post_ffw_norm, sliding) for a
+// Gemma 3 model only, with inv_freq_local (its sliding layers' RoPE).
 std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& embed, const py::tuple& head,
                                          const py::object& final_norm, const py::object& inv_freq,
-                                         const py::list& layers) {
+                                         const py::list& layers, const py::object& inv_freq_local) {
   auto bound = std::make_unique<BoundTarget>();
   NativeTargetConfig c{dims["layers"].cast<int64_t>(),   dims["hidden"].cast<int64_t>(),
                        dims["heads"].cast<int64_t>(),    dims["kv_heads"].cast<int64_t>(),
                        dims["head_dim"].cast<int64_t>(), dims["ffn"].cast<int64_t>(),
                        dims["vocab"].cast<int64_t>(),    dims["capacity"].cast<int64_t>(),
                        dims["eps"].cast<float>()};
+  c.gemma3 = dims.contains("gemma3") && dims["gemma3"].cast<bool>();
+  if (c.gemma3) {
+    c.embed_scale = dims["embed_scale"].cast<float>();
+    c.query_scale = dims["query_scale"].cast<float>();
+    c.sliding_window = dims["sliding_window"].cast<int64_t>();
+  }
   NativeTargetWeights w;
   w.embed = to_matrix(embed, bound->keep);
   w.head = to_matrix(head, bound->keep);
   w.final_norm = to_floats(final_norm, c.hidden, "final_norm", bound->keep);
   Floats freq = inv_freq.cast<Floats>();
   w.inv_freq.assign(freq.data(), freq.data() + freq.size());
+  if (!inv_freq_local.is_none()) {
+    Floats local = inv_freq_local.cast<Floats>();
+    w.inv_freq_local.assign(local.data(), local.data() + local.size());
+  }
   for (const py::handle& item : layers) {
     const py::dict l = item.cast<py::dict>();
     NativeLayer nl{};
@@ -75,6 +88,13 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
     nl.v = to_matrix(l["attn_v"], bound->keep), nl.o = to_matrix(l["attn_output"], bound->keep);
     nl.gate = to_matrix(l["ffn_gate"], bound->keep), nl.up = to_matrix(l["ffn_up"], bound->keep);
     nl.down = to_matrix(l["ffn_down"], bound->keep);
+    if (c.gemma3) {
+      nl.q_norm = to_floats(l["attn_q_norm"], c.head_dim, "attn_q_norm", bound->keep);
+      nl.k_norm = to_floats(l["attn_k_norm"], c.head_dim, "attn_k_norm", bound->keep);
+      nl.post_attn_norm = to_floats(l["post_attention_norm"], c.hidden, "post_attention_norm", bound->keep);
+      nl.post_ffn_norm = to_floats(l["post_ffw_norm"], c.hidden, "post_ffw_norm", bound->keep);
+      nl.sliding = l["sliding"].cast<bool>();
+    }
     w.layers.push_back(nl);
   }
   bound->target = std::make_unique<NativeTarget>(c, std::move(w));
@@ -135,7 +155,7 @@ py::tuple quantize(const Floats& x) {
 void bind_native_target(py::module_& m) {
   py::class_<BoundTarget>(m, "NativeTarget")
       .def(py::init(&make_target), py::arg("dims"), py::arg("embed"), py::arg("head"), py::arg("final_norm"),
-           py::arg("inv_freq"), py::arg("layers"))
+           py::arg("inv_freq"), py::arg("layers"), py::arg("inv_freq_local") = py::none())
       .def("forward", &forward, py::arg("tokens"), py::arg("logit_rows"), py::arg("aux_layers"),
            py::arg("num_threads"))
       .def("rollback", [](BoundTarget& b, int64_t position) { b.target->rollback(position); })

@@ -7,6 +7,11 @@
 // 32-column block to int8 with one fp32 scale (QuantInput), each block product is an exact integer
 // sum, and the block results accumulate in fp32 in block order. A token row's result never depends
 // on how many rows share the call, so a verify of k+1 tokens equals k+1 one-token products.
+//
+// Gemma 3's package file adds Q5_0 (d, 32 fifth bits, 16 bytes of nibbles, value (q - 16) d) and
+// two super-block types of 256 columns (quant_kquants_cpu.cpp): Q4_K (8 sub-blocks of 32 with
+// 6-bit scales and minimums) and Q6_K (16 sub-blocks of 16 with int8 scales). Their products run on
+// the same 32-column input blocks.
 #pragma once
 
 #include <cstdint>
@@ -15,19 +20,25 @@
 namespace elsi_fast {
 
 // ggml's type ids, as the GGUF file names them.
-enum class GgmlType : int32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum class GgmlType : int32_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
+};
 constexpr int64_t kQuantBlock = 32;
 
-// Bytes of one 32-column block of `type`; 0 for a type this file does not know.
+// Columns (32, or 256 for a super-block type) and bytes of one block of `type`; 0 for a type this
+// file does not know.
+int64_t ggml_block_cols(int32_t type);
 int64_t ggml_block_bytes(int32_t type);
 
-// W [rows, cols] (cols a multiple of kQuantBlock), rows of cols / 32 blocks back to back.
+// W [rows, cols] (cols a multiple of its type's block columns), each row's blocks back to back.
 struct QuantMatrix {
   GgmlType type;
   const uint8_t* data;
   int64_t rows;
   int64_t cols;
-  int64_t row_bytes() const { return cols / kQuantBlock * ggml_block_bytes(static_cast<int32_t>(type)); }
+  int64_t row_bytes() const {
+    return cols / ggml_block_cols(static_cast<int32_t>(type)) * ggml_block_bytes(static_cast<int32_t>(type));
+  }
 };
 
 // `rows` input rows quantized per 32-column block: q = round-half-even(x / d), d = max|x| / 127.

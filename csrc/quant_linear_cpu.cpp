@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include "quant_linear.h"
+#include "quant_kernels.h"
 
 #include <immintrin.h>
 
@@ -28,12 +29,9 @@
 namespace elsi_fast {
 namespace {
 
-constexpr int kMaxRows = 8;
-// Software prefetch distance along the weight stream (a chunk's rows lie back to back): on a 2-core
-// Zen 3 it took a 1-row product from 10.8 to 8.8 ms CPU time over SmolLM2's Q4_1 layers.
-constexpr int64_t kPrefetchBytes = 4096;
-// One weight row times B input rows from m0: out[m] (quant_dots.inc).
-using DotsFn = void (*)(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out);
+using quant::DotsFn;
+using quant::kMaxRows;
+using quant::kPrefetchBytes;
 
 // ---------------------------------------------------------------- scalar fallback
 inline float half_bits(const uint8_t* p) { return simd::fp16_to_fp32(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
@@ -88,13 +86,15 @@ namespace avx512 {
 
 // ---------------------------------------------------------------- dispatch
 struct Kernels {
+  const char* isa;  // quant_kquants_cpu.cpp's tables of the other types (quant::more_dots)
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
 };
-const Kernels kScalar{1, {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>}};
-const Kernels kAvx2{kMaxRows,
+const Kernels kScalar{"scalar", 1,
+                      {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>}};
+const Kernels kAvx2{"avx2", kMaxRows,
                     {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>}};
-const Kernels kAvx512{kMaxRows,
+const Kernels kAvx512{"avx512", kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>}};
 
 const Kernels& active_kernels() {
@@ -104,13 +104,16 @@ const Kernels& active_kernels() {
   return kScalar;
 }
 
-int type_slot(GgmlType t) {
+// The kernel table of a weight type for the active instruction set.
+const DotsFn* dots_for(const Kernels& k, GgmlType t) {
   switch (t) {
-    case GgmlType::kQ4_0: return 0;
-    case GgmlType::kQ4_1: return 1;
-    case GgmlType::kQ8_0: return 2;
-    default: throw std::invalid_argument("quant_linear: weight type " + std::to_string(static_cast<int>(t)) +
-                                         " is not Q4_0, Q4_1 or Q8_0");
+    case GgmlType::kQ4_0: return k.dots[0];
+    case GgmlType::kQ4_1: return k.dots[1];
+    case GgmlType::kQ8_0: return k.dots[2];
+    default:
+      if (const DotsFn* more = quant::more_dots(t, k.isa)) return more;
+      throw std::invalid_argument("quant_linear: weight type " + std::to_string(static_cast<int>(t)) +
+                                  " is not Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K");
   }
 }
 
@@ -128,6 +131,7 @@ struct Call {
   float* const* ys;
   const QuantInput* x;
   const Kernels* k;
+  std::vector<const DotsFn*> dots;  // per matrix
   std::vector<Chunk> chunks;
 };
 
@@ -135,7 +139,7 @@ void run_chunk(void* ctx, int64_t i) {
   const Call& c = *static_cast<const Call*>(ctx);
   const Chunk& ch = c.chunks[i];
   const QuantMatrix& w = c.mats[ch.mat];
-  const DotsFn* dots = c.k->dots[type_slot(w.type)];
+  const DotsFn* dots = c.dots[ch.mat];
   const int64_t row_bytes = w.row_bytes(), blocks = w.cols / kQuantBlock, rows = c.x->rows;
   float out[kMaxRows];
   for (int64_t r = ch.row0; r < ch.row1; ++r)
@@ -148,13 +152,22 @@ void run_chunk(void* ctx, int64_t i) {
 
 }  // namespace
 
+int64_t ggml_block_cols(int32_t type) {
+  const GgmlType t = static_cast<GgmlType>(type);
+  if (t == GgmlType::kQ4_K || t == GgmlType::kQ6_K) return 256;
+  return ggml_block_bytes(type) == 0 ? 0 : kQuantBlock;
+}
+
 int64_t ggml_block_bytes(int32_t type) {
   switch (static_cast<GgmlType>(type)) {
     case GgmlType::kF32: return 4 * kQuantBlock;
     case GgmlType::kF16: return 2 * kQuantBlock;
     case GgmlType::kQ4_0: return 18;
     case GgmlType::kQ4_1: return 20;
+    case GgmlType::kQ5_0: return 22;
     case GgmlType::kQ8_0: return 34;
+    case GgmlType::kQ4_K: return 144;
+    case GgmlType::kQ6_K: return 210;
   }
   return 0;
 }
@@ -183,9 +196,9 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
 }
 
 void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads) {
-  Call call{mats, ys, &x, &active_kernels(), {}};
+  Call call{mats, ys, &x, &active_kernels(), {}, {}};
   for (int i = 0; i < n; ++i) {
-    type_slot(mats[i].type);
+    call.dots.push_back(dots_for(*call.k, mats[i].type));
     if (mats[i].cols != x.cols)
       throw std::invalid_argument("quant_linear: weight has " + std::to_string(mats[i].cols) + " columns, input " +
                                   std::to_string(x.cols));
@@ -196,6 +209,7 @@ void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const Qu
 }
 
 void dequantize_row(const QuantMatrix& m, int64_t row, float* out) {
+  if (quant::dequantize_more_row(m, row, out)) return;
   const uint8_t* p = m.data + row * m.row_bytes();
   const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type));
   for (int64_t b = 0; b < m.cols / kQuantBlock; ++b, p += bytes, out += kQuantBlock)
@@ -207,6 +221,7 @@ void dequantize_row(const QuantMatrix& m, int64_t row, float* out) {
           out[c] = half_bits(p) * static_cast<float>(weight_at<GgmlType::kQ4_1>(p, c)) + half_bits(p + 2);
           break;
         case GgmlType::kQ8_0: out[c] = half_bits(p) * static_cast<float>(weight_at<GgmlType::kQ8_0>(p, c)); break;
+        default: throw std::invalid_argument("dequantize_row: unsupported ggml type");
       }
 }
 

@@ -23,11 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text from a GGUF target on the native forward, optionally with a draft",
-        description="Decodes greedily from a Llama-family GGUF target (a .gguf file or a catalog name) on "
+        description="Decodes greedily from a Llama-family or Gemma 3 GGUF target (a .gguf file or a catalog name) on "
         "elsi-fast's native forward, or speculatively with an EAGLE3 draft trained for it, and prints the "
         "text, new tokens/s and tau.",
     )
-    parser.add_argument("--target", required=True, help="a .gguf file or catalog name (Llama family)")
+    parser.add_argument("--target", required=True, help="a .gguf file or catalog name (Llama family or Gemma 3)")
     parser.add_argument("--draft", default=None, help="an EAGLE3 draft folder trained for this target")
     parser.add_argument("-k", dest="k", type=positive_int, default=3, help="draft tokens per round (default 3)")
     prompts = parser.add_mutually_exclusive_group(required=True)
@@ -61,6 +61,7 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def check(args: argparse.Namespace) -> None:
+    from ..targets.gguf_weights import SUPPORTED_ARCHITECTURES
     from ..targets.loading import describe_source
 
     try:
@@ -69,9 +70,9 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(one_line(exc)) from None
     if source.kind != "gguf":
         raise UsageError(f"--target: the native forward reads a .gguf file; {args.target} is a {source.kind}")
-    if source.architecture not in (None, "llama"):
+    if source.architecture not in (None, *SUPPORTED_ARCHITECTURES):
         raise UsageError(f"--target: {args.target} is a {source.architecture!r} model; the native forward runs "
-                         "llama GGUF files (Gemma 3 is not implemented yet)")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files")
     args.target_path = source.path
     if args.draft is not None and not (Path(args.draft) / "config.json").is_file():
         raise UsageError(f"--draft: {args.draft} has no config.json; give an EAGLE3 draft folder")

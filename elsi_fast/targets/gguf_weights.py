@@ -1,14 +1,18 @@
 """A GGUF file's weights as the file holds them, for the native forward (docs/native-target.md).
 
-`read_llama_gguf(path)` memory-maps the file with the `gguf` package and hands back its quantized
+`read_gguf_target(path)` memory-maps the file with the `gguf` package and hands back its quantized
 tensors as raw uint8 blocks, one row of blocks per output feature, without dequantizing anything:
 the native kernels (csrc/quant_linear.h) read them in place. Only the norms (fp32 vectors) are
-plain floats. Supported block types are Q8_0, Q4_0 and Q4_1 (and F32 / F16 for the embedding
-lookup only); anything else, or an architecture other than Llama, is a ValueError naming it.
+plain floats. Supported block types are Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K (and F32 / F16 for
+the embedding lookup only); architectures `llama` and `gemma3`. Anything else is a ValueError
+naming it.
 
-Q and K projection rows stay in the file's RoPE layout: llama.cpp's converter permutes each head's
-rows so that rotating neighbour pairs (2i, 2i+1) equals transformers' rotate_half on the original
-rows, and the native forward rotates pairs (attention scores are unchanged by the permutation).
+A Llama's Q and K projection rows stay in the file's RoPE layout: llama.cpp's converter permutes
+each head's rows so that rotating neighbour pairs (2i, 2i+1) equals transformers' rotate_half on
+the original rows, and the native forward rotates pairs (attention scores are unchanged by the
+permutation). Gemma 3's rows are not permuted (the forward rotates transformers' halves), and its
+converter stores every norm weight as 1 + w, the factor Gemma's RMSNorm multiplies by (transformers'
+GGUF reader subtracts the 1 again), so the native forward uses the file's norms as they are.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ from pathlib import Path
 import numpy as np
 
 # ggml type ids (csrc/quant_linear.h, GgmlType).
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
-QUANTIZED_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 6, 8, 12, 14
+QUANTIZED_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 LOOKUP_TYPES = {F32: "F32", F16: "F16", **QUANTIZED_TYPES}
-SUPPORTED_ARCHITECTURES = ("llama",)
-# Per-layer matrices of a Llama block, by their GGUF names.
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# Per-layer matrices and norms of a block, by their GGUF names.
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYER_NORMS = {"llama": ("attn_norm", "ffn_norm"),
+               "gemma3": ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_norm",
+                          "post_ffw_norm")}
+# Gemma 3 settings the GGUF file does not hold: transformers' Gemma3TextConfig defaults, which its
+# GGUF reader gives this architecture (and llama.cpp assumes): every 6th layer global, the others
+# sliding with RoPE base 10,000, queries scaled by 256^-1/2.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
 
 
 @dataclass(frozen=True)
@@ -42,10 +55,22 @@ class GgufMatrix:
 
 
 @dataclass
-class LlamaGguf:
-    """The weights and shapes of a Llama-family GGUF file (arrays are views of its memory map)."""
+class Gemma3Settings:
+    """What a Gemma 3 block adds to a Llama one."""
+
+    sliding_window: int  # keys a sliding layer's query sees, its own included
+    sliding_layers: list[bool]  # per layer
+    local_rope_theta: float
+    rope_scale: float  # linear RoPE scaling of the global layers (1: none)
+    query_pre_attn_scalar: float
+
+
+@dataclass
+class GgufTarget:
+    """The weights and shapes of a Llama-family or Gemma 3 GGUF file (arrays are views of its memory map)."""
 
     path: Path
+    architecture: str
     layers: int
     hidden: int
     heads: int
@@ -60,6 +85,7 @@ class LlamaGguf:
     head: GgufMatrix
     final_norm: np.ndarray  # [hidden] fp32
     blocks: list[dict[str, object]] = field(default_factory=list)  # per layer: norms and matrices
+    gemma3: Gemma3Settings | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of the weights the forward reads (the tied head counted once)."""
@@ -87,27 +113,57 @@ def _matrix(tensor, path: Path, allowed: dict[int, str]) -> GgufMatrix:
     return GgufMatrix(tensor.name, ggml_type, blocks, rows, cols)
 
 
-def read_llama_gguf(path: str | Path) -> LlamaGguf:
-    """Maps a Llama GGUF file; raises ValueError on another architecture or block type."""
+def _rope_scale(reader, arch: str, path: Path) -> float:
+    """The factor of a linear RoPE scaling (1.0 without one); any other kind is a ValueError."""
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+    kind = scaling.contents() if scaling is not None else "none"
+    if kind in ("none", ""):
+        return 1.0
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and arch == "gemma3" and factor is not None:
+        return float(factor.contents())
+    raise ValueError(f"model: {path} uses RoPE scaling {kind!r}, which the native forward lacks")
+
+
+def _gemma3_settings(reader, layers: int, path: Path) -> Gemma3Settings:
+    # Newer converters write the pattern: one flag per layer (true: sliding) or a period n (every
+    # n-th layer global).
+    pattern = reader.fields.get("gemma3.attention.sliding_window_pattern")
+    pattern = pattern.contents() if pattern is not None else GEMMA3_SLIDING_PATTERN
+    if isinstance(pattern, list):
+        sliding = [bool(v) for v in pattern]
+        if len(sliding) != layers:
+            raise ValueError(f"model: {path} has {len(sliding)} sliding-window flags for {layers} layers")
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    return Gemma3Settings(
+        sliding_window=int(_field(reader, "gemma3.attention.sliding_window", path)),
+        sliding_layers=sliding,
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+        rope_scale=_rope_scale(reader, "gemma3", path),
+        query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+    )
+
+
+def read_gguf_target(path: str | Path) -> GgufTarget:
+    """Maps a Llama or Gemma 3 GGUF file; raises ValueError on another architecture or block type."""
     import gguf
 
     path = Path(path)
     reader = gguf.GGUFReader(str(path), "r")
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
-        hint = " (Gemma 3 is not implemented in the native forward yet)" if arch == "gemma3" else ""
         raise ValueError(
-            f"model: {path} is a {arch!r} model; the native forward supports {', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
+            f"model: {path} is a {arch!r} model; the native forward supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
-    if scaling is not None and scaling.contents() not in ("none", ""):
-        raise ValueError(f"model: {path} uses RoPE scaling {scaling.contents()!r}, which the native forward lacks")
+    _rope_scale(reader, arch, path)
     tensors = {t.name: t for t in reader.tensors}
     heads = int(_field(reader, f"{arch}.attention.head_count", path))
     hidden = int(_field(reader, f"{arch}.embedding_length", path))
     key_length = reader.fields.get(f"{arch}.attention.key_length")
-    model = LlamaGguf(
+    model = GgufTarget(
         path=path,
+        architecture=arch,
         layers=int(_field(reader, f"{arch}.block_count", path)),
         hidden=hidden,
         heads=heads,
@@ -127,12 +183,15 @@ def read_llama_gguf(path: str | Path) -> LlamaGguf:
     model.head = _matrix(head, path, QUANTIZED_TYPES) if head is not None else model.embed
     if model.head is model.embed and model.embed.ggml_type not in QUANTIZED_TYPES:
         raise ValueError(f"model: the tied head of {path} is {LOOKUP_TYPES[model.embed.ggml_type]}, not quantized")
+    if arch == "gemma3":
+        model.gemma3 = _gemma3_settings(reader, model.layers, path)
     for i in range(model.layers):
         block: dict[str, object] = {
-            "attn_norm": np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, dtype=np.float32),
-            "ffn_norm": np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, dtype=np.float32),
+            name: np.asarray(tensors[f"blk.{i}.{name}.weight"].data, dtype=np.float32) for name in LAYER_NORMS[arch]
         }
         for name in LAYER_MATRICES:
             block[name] = _matrix(tensors[f"blk.{i}.{name}.weight"], path, QUANTIZED_TYPES)
+        if model.gemma3 is not None:
+            block["sliding"] = model.gemma3.sliding_layers[i]
         model.blocks.append(block)
     return model

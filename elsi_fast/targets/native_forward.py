@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .._infra._extension import _C, IMPORT_ERROR
-from .gguf_weights import LlamaGguf, read_llama_gguf
+from .gguf_weights import GgufTarget, read_gguf_target
 
 MAX_ROWS = 8  # csrc/target_runtime.h, kLinearMaxRows
 DEFAULT_CAPACITY = 4096
@@ -36,22 +36,31 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 class NativeForward:
     """A GGUF target's decoder on native kernels with its own KV cache of `capacity` positions."""
 
-    def __init__(self, model: str | Path | LlamaGguf, capacity: int = DEFAULT_CAPACITY, num_threads: int = 1) -> None:
+    def __init__(self, model: str | Path | GgufTarget, capacity: int = DEFAULT_CAPACITY, num_threads: int = 1) -> None:
         if _C is None:
             raise RuntimeError(f"the native forward needs the compiled extension: {IMPORT_ERROR}")
         if capacity < 1:
             raise ValueError(f"capacity: must be positive, got {capacity}")
         if num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {num_threads}")
-        self.weights = model if isinstance(model, LlamaGguf) else read_llama_gguf(model)
+        self.weights = model if isinstance(model, GgufTarget) else read_gguf_target(model)
         w = self.weights
         self.capacity = capacity
         self.num_threads = num_threads
         dims = dict(layers=w.layers, hidden=w.hidden, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
                     ffn=w.ffn, vocab=w.vocab, capacity=capacity, eps=w.eps)
         layers = [{k: (v.as_native() if hasattr(v, "as_native") else v) for k, v in b.items()} for b in w.blocks]
-        self._native = _C.NativeTarget(dims, w.embed.as_native(), w.head.as_native(), w.final_norm,
-                                       rope_inv_freq(w.head_dim, w.rope_theta), layers)
+        inv_freq, inv_freq_local = rope_inv_freq(w.head_dim, w.rope_theta), None
+        if w.gemma3 is not None:
+            g = w.gemma3
+            # transformers: the embedding times float32(sqrt(hidden)); linear RoPE scaling divides
+            # the global layers' frequencies
+            dims.update(gemma3=True, embed_scale=float(np.float32(w.hidden**0.5)),
+                        query_scale=g.query_pre_attn_scalar**-0.5, sliding_window=g.sliding_window)
+            inv_freq = (inv_freq / np.float32(g.rope_scale)).astype(np.float32)
+            inv_freq_local = rope_inv_freq(w.head_dim, g.local_rope_theta)
+        self._native = _C.NativeTarget(dims, w.embed.as_native(), w.head.as_native(), w.final_norm, inv_freq, layers,
+                                       inv_freq_local)
 
     @property
     def length(self) -> int:

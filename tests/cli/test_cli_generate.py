@@ -11,6 +11,7 @@ import pytest
 from elsi_fast._infra._extension import _C
 from elsi_fast.cli import EXIT_USAGE, main
 from elsi_fast.targets import catalog
+from tiny_gguf import write_tiny  # tests/ is on sys.path
 
 pytest.importorskip("gguf")
 KEPT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "drafts",
@@ -60,3 +61,23 @@ def test_a_non_gguf_target_is_refused(tmp_path, capsys):
     (folder / "config.json").write_text('{"num_hidden_layers": 2}')
     assert main(["generate", "--target", str(folder), "--prompt", "x"]) == EXIT_USAGE
     assert "--target: the native forward reads a .gguf file" in capsys.readouterr().err
+
+
+def test_gemma3_greedy_runs(capsys):
+    if _C is None:
+        pytest.skip("native extension not built")
+    try:
+        gemma = str(catalog.resolve("gemma3-270m"))
+    except ValueError as error:
+        pytest.skip(str(error))
+    assert main(["generate", "--target", gemma, "--prompt", "The three primary colors are", "--raw",
+                 "--max-new-tokens", "6", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "red, blue, and yellow" in out and "1 prompts, 6 new tokens: " in out
+
+
+def test_another_architecture_is_refused(tmp_path, capsys):
+    write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
+    assert main(["generate", "--target", str(tmp_path / "qwen.gguf"), "--prompt", "x"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("is a 'qwen2' model; the native forward runs llama, gemma3 GGUF files") and "\n" not in err

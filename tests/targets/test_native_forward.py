@@ -121,11 +121,3 @@ def test_bad_input_raises_one_clear_error(native, gguf_path):
     with pytest.raises(ValueError, match=r"position: 400 is outside \[0, 315\]"):
         native.rollback(400)
 
-
-def test_other_architectures_are_refused():
-    try:
-        gemma = catalog.resolve("gemma3-270m")
-    except ValueError as error:
-        pytest.skip(str(error))
-    with pytest.raises(ValueError, match="is a 'gemma3' model; the native forward supports llama"):
-        NativeForward(gemma)

@@ -10,7 +10,7 @@ import pytest
 
 from elsi_fast._infra._extension import _C
 from elsi_fast.targets.gguf_requantize import requantize_gguf
-from elsi_fast.targets.gguf_weights import read_llama_gguf
+from elsi_fast.targets.gguf_weights import read_gguf_target
 from elsi_fast.targets.native_forward import NativeForward, rope_inv_freq
 from tiny_gguf import (  # tests/ is on sys.path
     EPS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, THETA, permute_rows, unpermute_rows, write_tiny,
@@ -92,17 +92,18 @@ def test_without_the_row_permutation_the_logits_are_wrong(tmp_path):
 
 def test_reader_refuses_other_types_and_architectures(tmp_path):
     write_tiny(tmp_path / "f16.gguf", q_type="F16")
-    with pytest.raises(ValueError, match="blk.0.attn_q.weight of .* is F16; the native forward reads Q4_0, Q4_1, Q8_0"):
-        read_llama_gguf(tmp_path / "f16.gguf")
+    reads = "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"
+    with pytest.raises(ValueError, match=f"blk.0.attn_q.weight of .* is F16; the native forward reads {reads}$"):
+        read_gguf_target(tmp_path / "f16.gguf")
     write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match="is a 'qwen2' model; the native forward supports llama"):
-        read_llama_gguf(tmp_path / "qwen.gguf")
+    with pytest.raises(ValueError, match="is a 'qwen2' model; the native forward supports llama, gemma3$"):
+        read_gguf_target(tmp_path / "qwen.gguf")
 
 
 def test_requantized_file_holds_the_rounded_weights(tmp_path):
     dense = write_tiny(tmp_path / "tiny.gguf")
     out = requantize_gguf(tmp_path / "tiny.gguf", tmp_path / "tiny-q8.gguf", "Q8_0")
-    model = read_llama_gguf(out)
+    model = read_gguf_target(out)
     q = model.blocks[0]["attn_q"]
     assert q.ggml_type == 8 and model.head.ggml_type == 8 and model.eps == pytest.approx(EPS)
     back = unpermute_rows(gguf.quants.dequantize(q.blocks, gguf.GGMLQuantizationType.Q8_0).astype(np.float64), HEADS)

@@ -91,10 +91,12 @@ def test_matrices_sharing_an_input_equal_separate_calls():
 def test_bad_matrices_raise_one_clear_error():
     x = np.zeros((1, 64), np.float32)
     f16 = (1, np.zeros((2, 128), np.uint8), 2, 64)
-    with pytest.raises(ValueError, match="weight type 1 is not Q4_0, Q4_1 or Q8_0"):
+    with pytest.raises(ValueError, match="weight type 1 is not Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K"):
         _C.quant_linear([f16], x, 1)
-    with pytest.raises(ValueError, match="ggml type 12 is not supported"):
-        _C.quant_linear([(12, np.zeros((2, 288), np.uint8), 2, 64)], x, 1)
+    with pytest.raises(ValueError, match="ggml type 10 is not supported"):  # Q2_K
+        _C.quant_linear([(10, np.zeros((2, 84), np.uint8), 2, 256)], x, 1)
+    with pytest.raises(ValueError, match="do not hold a \\[2, 64\\] matrix of ggml type 12"):  # Q4_K: 256 columns
+        _C.quant_linear([(12, np.zeros((2, 36), np.uint8), 2, 64)], x, 1)
     with pytest.raises(ValueError, match="do not hold a \\[3, 64\\] matrix"):
         _C.quant_linear([(8, np.zeros((2, 68), np.uint8), 3, 64)], x, 1)
     with pytest.raises(ValueError, match="weight has 64 columns, input 32"):
