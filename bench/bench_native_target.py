@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help=f"chat instructions (at most {len(INSTRUCTIONS)})")
     parser.add_argument("--draft", type=Path, default=None, help="a draft for --model (default: SmolLM2's kept one)")
     parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
+    parser.add_argument("--note", default="", help="conditions to keep in the rows (e.g. background jobs paused)")
     args = parser.parse_args(argv)
     if args.types is None:
         args.types = ["Q4_1", "Q8_0"] if args.model == TARGET else [PACKAGE_TYPES[args.model]]
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         device = f"{cpu_model()} ({threads} threads)"
         params = {"model": args.model, "file": files[kind].name, "type": kind, "threads": threads,
                   "tokens": args.tokens,
-                  "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name}
+                  "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name,
+                  "note": args.note}
         record(RESULTS_FILE, BENCHMARK, f"greedy_tokens_per_s/{kind}/threads={threads}", ours, "tokens/s",
                device=device, baseline=theirs, ratio=ours / theirs, params=params)
         record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,

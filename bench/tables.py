@@ -351,6 +351,18 @@ def native_target(results: Results) -> list[str]:
                      "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
 
 
+def native_target_gemma3(results: Results) -> list[str]:
+    """Reads greedy_tokens_per_s (baseline: llama.cpp's tg) and verify_cost T=5 of the Gemma 3
+    package file (type Q4_K_M) at each thread count."""
+    body = []
+    for threads in (1, 2):
+        greedy = NATIVE.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}", model="gemma3-270m")
+        verify = NATIVE.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5", model="gemma3-270m")
+        body.append(["Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}", x(greedy["ratio"]),
+                     x(verify["value"])])
+    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens"], body)
+
+
 CEILING = Source("draft_ceiling_cpu.jsonl", "draft_ceiling", {"model": "smollm2-135m-instruct", "set": "eagle3-m3"})
 CEILING_CATEGORIES = ("story", "rewrite", "math", "code", "qa", "translation", "summarization", "dialogue")
 
@@ -386,6 +398,8 @@ TABLES: tuple[Table, ...] = (
           "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480")),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
+    Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
+          "greedy_tokens_per_s and verify_cost of the Gemma 3 Q4_K_M file at 1 and 2 threads", native_target_gemma3),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
           "48-conversation EAGLE3-default draft under each evaluation rule", ceiling),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
