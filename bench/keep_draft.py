@@ -84,6 +84,9 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
                     "(bench/draft_long_run.py)",
         "source": str(cell.relative_to(ROOT)) if cell.is_relative_to(ROOT) else str(cell),
     }
+    if "init_from" in facts["recipe"]:  # the parent cell, named as in the source field
+        parent = Path(facts["recipe"]["init_from"])
+        facts["recipe"]["init_from"] = str(parent.relative_to(ROOT)) if parent.is_relative_to(ROOT) else str(parent)
     (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
     return out
 

@@ -395,7 +395,9 @@ TABLES: tuple[Table, ...] = (
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/*",
           llamacpp_real),
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480")),
+          "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400")),
+    Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500")),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
     Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
