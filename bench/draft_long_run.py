@@ -124,6 +124,7 @@ def main() -> None:
             raise SystemExit(f"--init-from: {parent} holds no finished run ({SUMMARY_FILE})")
         parent_summary = json.loads((parent / SUMMARY_FILE).read_text())
         parent_tokens = parent_summary.get("parent_tokens", 0) + sum(h["tokens"] for h in parent_summary["history"])
+        parent_steps = parent_summary.get("parent_steps", 0) + parent_summary["history"][-1]["step"]
         cell = work / f"{args.init_from}+{args.steps}"
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
@@ -151,7 +152,8 @@ def main() -> None:
                     **RECIPE)
         if args.init_from is not None:  # the curve of a continued cell counts its parent's tokens
             summary = json.loads((cell / SUMMARY_FILE).read_text())
-            (cell / SUMMARY_FILE).write_text(json.dumps({**summary, "parent_tokens": parent_tokens}))
+            (cell / SUMMARY_FILE).write_text(json.dumps({**summary, "parent_tokens": parent_tokens,
+                                                             "parent_steps": parent_steps}))
     if "curve" not in args.stages:
         return
     evaluation = {name: rows for name, rows in evaluation.items() if name in args.curve_sets}

@@ -33,16 +33,6 @@ def tau_table(cell: str, step: int) -> dict[str, dict[str, float]]:
     return table
 
 
-def _parent_steps(cell: Path) -> int:
-    """The steps of the cells a continued cell grew from (`<parent>+<steps>` names)."""
-    from elsi_fast.training.train import SUMMARY_FILE
-
-    if "+" not in cell.name:
-        return 0
-    parent = cell.parent / cell.name.rsplit("+", 1)[0]
-    return _parent_steps(parent) + json.loads((parent / SUMMARY_FILE).read_text())["history"][-1]["step"]
-
-
 def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     import torch
 
@@ -72,7 +62,7 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
         "answer_tokens": sum(len(r["response_ids"]) for r in train),
         # A continued cell (draft_long_run --init-from) counts its parents' tokens and steps too.
         "tokens_seen": summary.get("parent_tokens", 0) + sum(h["tokens"] for h in summary["history"]),
-        "steps": _parent_steps(cell) + step,
+        "steps": summary.get("parent_steps", 0) + step,
         "recipe": {key: summary.get(key) for key in ("init", "init_from", "draft_vocab_size", "ttt_steps",
                                                      "batch_size", "lr", "warmup", "seq_len", "weight_decay", "seed")
                    if key in summary},
