@@ -48,14 +48,14 @@ def split(records: list[dict], seed: int = 0) -> tuple[list[dict], list[dict], l
     return train, held_in, [records[i] for i in held_out]
 
 
-def held_sets(records: list[dict], work: Path, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
-    """`split`, fixed at the run's first data: the held sets' ids are kept in work/split.json, so
-    conversations appended to the data later (a longer `regenerate` run) all go to training and a
-    continued run is measured on the same unseen conversations."""
-    path = work / f"split-seed{seed}.json"
+def held_sets(records: list[dict], keep: Path, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """`split`, fixed at the run's first data: the held sets' ids are kept in the repository
+    (keep/long-run-split-seedN.json), so conversations appended to the data later (a longer
+    `regenerate` run) all go to training and a continued run, on this machine or a fresh clone, is
+    measured on the same unseen conversations."""
+    path = keep / f"long-run-split-seed{seed}.json"
     if not path.is_file():
         _, held_in, held_out = split(records, seed)
-        work.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"held-in": [r["id"] for r in held_in], "held-out": [r["id"] for r in held_out]}))
     ids = json.loads(path.read_text())
     by_id = {r["id"]: r for r in records}
@@ -129,7 +129,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
-    train, held_in, held_out = held_sets(records, work, args.seed)
+    train, held_in, held_out = held_sets(records, keep, args.seed)
     samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
     evaluation = {"held-in": held_in, "held-out": held_out, "spec-bench": _spec_bench(model, tokenizer, work, keep)}
     caches = {}

@@ -36,7 +36,7 @@ def tau_table(cell: str, step: int) -> dict[str, dict[str, float]]:
 def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     import torch
 
-    from bench.draft_long_run import held_sets
+    from bench.draft_long_run import KEEP, held_sets
     from elsi_fast.draft import read_draft, write_draft
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.train import SUMMARY_FILE
@@ -47,7 +47,7 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     if not table:
         raise SystemExit(f"cell: no curve rows for {cell.name} step {step} in {CURVE}; run the long run's curve stage first")
     layers = list(summary["layers"])
-    train = held_sets(read_conversations(data / CONVERSATIONS_FILE), cell.parent, summary["seed"])[0]
+    train = held_sets(read_conversations(data / CONVERSATIONS_FILE), KEEP / model, summary["seed"])[0]
     out = DRAFTS / model / f"{layer_set}-{'-'.join(map(str, layers))}"
     draft = read_draft(cell).to(torch.bfloat16)
     write_draft(draft, out)
