@@ -1,9 +1,10 @@
 """`elsi-fast generate`: text from a GGUF target on the native forward, with or without a draft.
 
 The target runs on `targets.native_forward.NativeForward` (one native call per forward, the file's
-own quantized blocks; docs/native-target.md). Without --draft the tokens stream as they come; with
---draft each prompt's text is printed when its speculative decoding ends (the tokens equal greedy
-decoding's). The end prints new tokens/s, tau with a draft, and the memory the target holds.
+own quantized blocks; docs/native-target.md). The text streams as it comes: token by token without
+--draft, round by round with one (its tokens equal greedy decoding's). Decoding stops at the
+file's end-of-generation tokens, the set llama.cpp stops at (`targets.loading.end_of_generation_ids`).
+The end prints new tokens/s, tau with a draft, and the memory the target holds.
 --compare-greedy also runs plain greedy decoding on every prompt, interleaved, and checks that the
 outputs are equal (exit code 1 if one differs).
 """
@@ -85,7 +86,7 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from ..decoding.native_target import native_greedy_generate, native_speculative_generate, target_embedding
-    from ..targets.loading import gguf_tokenizer
+    from ..targets.loading import end_of_generation_ids, gguf_tokenizer
     from ..targets.native_forward import NativeForward
 
     tokenizer = gguf_tokenizer(args.target_path)
@@ -101,24 +102,23 @@ def handler(args: argparse.Namespace) -> int:
         from ..draft import read_draft
 
         draft = read_draft(args.draft, embed_tokens=target_embedding(native))
-    eos = tokenizer.eos_token_id
+    eos = end_of_generation_ids(tokenizer)
     totals = {"tokens": 0, "seconds": 0.0, "greedy_seconds": 0.0, "accepted": 0, "rounds": 0}
     differ = 0
     for text, ids in zip(args.prompt_texts, prompts):
         print(f"### {text}", flush=True)
         start = time.perf_counter()
+        stream = _Stream(tokenizer)
         if draft is None:
-            stream = _Stream(tokenizer)
             out = native_greedy_generate(native, torch.tensor(ids), args.max_new_tokens, eos_token_id=eos,
                                          on_token=stream)
-            print(flush=True)
         else:
             result = native_speculative_generate(native, draft, torch.tensor(ids), args.max_new_tokens, args.k,
-                                                 eos_token_id=eos)
+                                                 eos_token_id=eos, on_token=stream)
             out = result.tokens
             totals["accepted"] += sum(result.accepted_lengths)
             totals["rounds"] += result.rounds
-            print(tokenizer.decode(out, skip_special_tokens=True), flush=True)
+        print(flush=True)
         totals["seconds"] += time.perf_counter() - start
         totals["tokens"] += len(out)
         if args.compare_greedy:

@@ -95,10 +95,12 @@ def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_n
 
 def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft", input_ids: torch.Tensor,
                                 max_new_tokens: int, k: int, *, eos_token_id: int | Sequence[int] | None = None,
-                                draft_dtype: str | None = None, draft_backend: str = "auto") -> SpecResult:
+                                draft_dtype: str | None = None, draft_backend: str = "auto",
+                                on_token: Callable[[int], None] | None = None) -> SpecResult:
     """Greedy speculative decoding with the target on the native forward; the tokens equal
     `native_greedy_generate`'s. The draft must have been trained for this target (its vocabulary,
-    hidden size and layer ids are checked) and carry its embedding (`target_embedding`)."""
+    hidden size and layer ids are checked) and carry its embedding (`target_embedding`).
+    `on_token(id)` sees each id as soon as the round that verified it ends."""
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
     cfg, w = draft.config, native.weights
     if cfg.aux_layer_ids is None:
@@ -110,4 +112,4 @@ def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft", inp
     _check_capacity(native, input_ids.shape[1], max_new_tokens, k)
     path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
     return speculative_loop(NativeTargetRunner(native, cfg.aux_layer_ids), path, input_ids, max_new_tokens, k,
-                            eos_token_id)
+                            eos_token_id, on_token)

@@ -30,6 +30,7 @@ import inspect
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
@@ -404,10 +405,11 @@ def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 
 def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int, k: int,
-                     eos_token_id: int | Sequence[int] | None) -> SpecResult:
+                     eos_token_id: int | Sequence[int] | None,
+                     on_token: Callable[[int], None] | None = None) -> SpecResult:
     """The rounds of greedy chain speculative decoding (see the module docstring): `runner` is the
     target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
-    `_NativeDraftPath`)."""
+    `_NativeDraftPath`). `on_token(id)` sees each emitted id as soon as its round has verified it."""
     stops = stop_set(eos_token_id)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -415,6 +417,8 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
 
     greedy, aux = runner.forward(input_ids, last_only=True)
     emitted = [int(greedy[0, -1])]
+    if on_token is not None:
+        on_token(emitted[0])
     # Draft pairs (h_t, x_{t+1}) for every prompt position; the last output predicts x_{S}.
     pair_ids = torch.cat([input_ids[:, 1:], greedy[:, -1:]], dim=1)
     start = time.perf_counter()
@@ -447,6 +451,9 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
             new_tokens = new_tokens[: ends[0] + 1]
         emitted.extend(new_tokens)
         accepted_lengths.append(len(new_tokens) - 1)
+        if on_token is not None:
+            for token in new_tokens:
+                on_token(token)
 
         # Verified positions S-1 .. S-1+n stay in the target cache; the rest is rolled back.
         runner.crop(seq_len + n)

@@ -349,10 +349,32 @@ def _check_reload(model, folder: Path) -> None:
         raise ValueError(f"model: the exported folder {folder} reloads to different logits (max error {error:.3g})")
 
 
+# Tokens that end generation wherever a vocabulary has them, the end-of-turn and end-of-text markers
+# llama.cpp's vocabulary loader marks as end-of-generation (src/llama-vocab.cpp): a GGUF file names
+# one eos id, while a chat model also ends its turn with another (Gemma's <end_of_turn>).
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                           "<|end_of_text|>", "<|eom_id|>", "<EOT>", "<end_of_utterance>", "<eos>")
+
+
+def end_of_generation_ids(tokenizer) -> list[int]:
+    """The ids generation stops after, as llama.cpp stops: the tokenizer's eos id and every special
+    token of `END_OF_GENERATION_TEXTS` its vocabulary holds, sorted. A ValueError when there is none."""
+    special = {str(t) for t in tokenizer.all_special_tokens} | {
+        str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    ids = {tokenizer.convert_tokens_to_ids(text) for text in END_OF_GENERATION_TEXTS if text in special}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    if not ids:
+        raise ValueError("target: its tokenizer names no end-of-sequence or end-of-turn token")
+    return sorted(ids)
+
+
 def stop_token_ids(target, tokenizer) -> list[int]:
     """The ids that end the target's answer: its generation config's end-of-sequence ids and the
     tokenizer's (a chat model's end-of-turn token among them), sorted. Generation stops after the
-    first of them, as serving engines do."""
+    first of them, as serving engines do. (Kept as the data was made with it: the first id is what
+    `regenerate` appends where llama.cpp left its end-of-generation token out.)"""
     ids = getattr(target.generation_config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
     ids = [i for i in ids + [tokenizer.eos_token_id] if i is not None]

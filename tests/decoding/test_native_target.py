@@ -1,5 +1,6 @@
 """Decoding with the target on the native GGUF forward (a tiny Llama GGUF): speculative decoding with a
-random draft emits exactly the native greedy tokens, for every k and with an end-of-text id; a draft
+random draft emits exactly the native greedy tokens, for every k and with an end-of-text id, and
+streams them round by round; a draft
 for another target and a context past the KV cache are refused with one clear error."""
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def test_speculative_equals_native_greedy(native, k):
         result = native_speculative_generate(native, random_draft(native), PROMPT, 40, k, draft_backend=draft_backend)
         assert torch.equal(result.tokens, greedy), draft_backend
         assert result.target_backend.startswith("native GGUF forward (")
+
+
+def test_on_token_streams_every_emitted_id_in_order(native):
+    streamed, rounds_seen = [], []
+    draft = random_draft(native)
+    result = native_speculative_generate(native, draft, PROMPT, 25, 3,
+                                         on_token=lambda t: (streamed.append(t), rounds_seen.append(native.length)))
+    assert streamed == result.tokens.tolist()
+    # The ids come round by round while decoding runs: the KV cache grows between the first and last.
+    assert rounds_seen[0] < rounds_seen[-1]
+    greedy_streamed = []
+    greedy = native_greedy_generate(native, PROMPT, 25, on_token=greedy_streamed.append)
+    assert greedy_streamed == greedy.tolist() == streamed
 
 
 def test_stops_after_the_end_of_text_id(native):

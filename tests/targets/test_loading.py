@@ -139,3 +139,24 @@ def test_export_hf_folder_writes_a_plain_folder(smollm2, tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
     shutil.rmtree(out)
+
+
+def test_end_of_generation_ids_are_the_ones_llama_cpp_stops_at(smollm2, gemma3):
+    # Known answers from llama.cpp's vocabulary loader on the same files (its log's EOG list):
+    # SmolLM2 stops at <|endoftext|> (0) and <|im_end|> (2), Gemma 3 at <eos> (1) and <end_of_turn> (106).
+    _, smollm2_tokenizer = smollm2
+    _, gemma3_tokenizer = gemma3
+    assert loading.end_of_generation_ids(smollm2_tokenizer) == [0, 2]
+    assert loading.end_of_generation_ids(gemma3_tokenizer) == [1, 106]
+    assert gemma3_tokenizer.convert_ids_to_tokens(106) == "<end_of_turn>"
+
+
+def test_end_of_generation_ids_without_any_is_one_clear_error():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<s>": 1}, unk_token="a")))
+    with pytest.raises(ValueError, match="names no end-of-sequence or end-of-turn token"):
+        loading.end_of_generation_ids(plain)
+    plain.eos_token = "<s>"  # a named eos counts even where its text is not a known end marker
+    assert loading.end_of_generation_ids(plain) == [1]
