@@ -380,6 +380,26 @@ def ceiling(results: Results) -> list[str]:
     return markdown(["live `eval-draft`", "tau (k=4)", *CEILING_CATEGORIES], body)
 
 
+VOCAB_CEILING = Source("draft_vocab_ceiling_cpu.jsonl", "draft_vocab_ceiling", {"k": 4})
+VOCAB_SIZES = (2048, 4096, 8192, 16384)
+
+
+def vocab_ceiling(results: Results) -> list[str]:
+    """Reads spec_bench_coverage/V=<V> (params: train_coverage, per-category coverage) and
+    spec_bench_ceiling_tau_k4/V=<V> of both targets."""
+    body = []
+    for size in VOCAB_SIZES:
+        cells = [str(size)]
+        for model in ("smollm2-135m-instruct", "gemma3-270m"):
+            cover = VOCAB_CEILING.pick(results, f"spec_bench_coverage/V={size}", model=model)
+            tau = VOCAB_CEILING.pick(results, f"spec_bench_ceiling_tau_k4/V={size}", model=model)
+            cells += [f"{cover['params']['train_coverage']:.3f}", f"{cover['value']:.3f}",
+                      f"{cover['params']['per_category']['translation']:.3f}", f"{tau['value']:.2f}"]
+        body.append(cells)
+    per_model = ["training answers", "Spec-Bench", "translation", "ceiling tau (k=4)"]
+    return markdown(["V", *(f"SmolLM2: {c}" for c in per_model), *(f"Gemma 3: {c}" for c in per_model)], body)
+
+
 PERF = "docs/performance.md"
 GGML = "llamacpp_kernels_cpu.jsonl: llamacpp_kernels, elsi_{fp32,bf16,int8}_vs_ggml_*"
 TABLES: tuple[Table, ...] = (
@@ -398,6 +418,8 @@ TABLES: tuple[Table, ...] = (
           "each kept step of the SmolLM2 ELSI m=1 cell", long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400")),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500")),
+    Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
+          "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
     Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
