@@ -121,9 +121,13 @@ def native_verify_cost(model: NativeForward, context: int, reps: int) -> tuple[f
 
 
 def chat_prompts(path: Path, count: int) -> list[list[int]]:
+    """The instructions in the file's chat template; as plain text where it has none (Gemma 3's base
+    model, whose draft trained on plain-text instructions)."""
     from elsi_fast.targets.loading import gguf_tokenizer
 
     tokenizer = gguf_tokenizer(path)
+    if not tokenizer.chat_template:
+        return [list(tokenizer(text).input_ids) for text in INSTRUCTIONS[:count]]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                return_dict=True)["input_ids"]) for text in INSTRUCTIONS[:count]]
 

@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--init-from", default=None, metavar="CELL",
                         help="continue a finished cell of this run (its final draft, a fresh schedule of --steps); "
                         "the new cell is CELL+STEPS and its curve counts CELL's tokens")
+    parser.add_argument("--lr", type=float, default=RECIPE["lr"],
+                        help=f"peak learning rate (default {RECIPE['lr']:g}); another one names the cell <cell>-lr<LR>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=["held-in", "held-out", "spec-bench"],
                         help="the evaluation sets the curve stage replays")
@@ -113,10 +115,12 @@ def main() -> None:
     from elsi_fast.training.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
     from elsi_fast.training.training_data import conversation_samples
 
+    recipe = {**RECIPE, "lr": args.lr}
+    lr_tag = "" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}"
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
-    cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}"
+    cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}{lr_tag}"
     parent_tokens = 0
     if args.init_from is not None:
         parent = work / args.init_from
@@ -125,7 +129,7 @@ def main() -> None:
         parent_summary = json.loads((parent / SUMMARY_FILE).read_text())
         parent_tokens = parent_summary.get("parent_tokens", 0) + sum(h["tokens"] for h in parent_summary["history"])
         parent_steps = parent_summary.get("parent_steps", 0) + parent_summary["history"][-1]["step"]
-        cell = work / f"{args.init_from}+{args.steps}"
+        cell = work / f"{args.init_from}+{args.steps}{lr_tag}"
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
@@ -149,7 +153,7 @@ def main() -> None:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
                     warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
                     keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else work / args.init_from,
-                    **RECIPE)
+                    **recipe)
         if args.init_from is not None:  # the curve of a continued cell counts its parent's tokens
             summary = json.loads((cell / SUMMARY_FILE).read_text())
             (cell / SUMMARY_FILE).write_text(json.dumps({**summary, "parent_tokens": parent_tokens,
@@ -188,7 +192,7 @@ def main() -> None:
                 record(RESULTS, "draft_long_run", f"tau_k{k}", tau["all"], "tokens/forward", device=device,
                        params={"model": args.model, "cell": cell.name, "set": name, "layers": layers, "step": step,
                                "tokens_seen": tokens_at.get(step), "conversations": len(train),
-                               "prompts": sum(len(v) for v in runs[k].values()), "recipe": RECIPE,
+                               "prompts": sum(len(v) for v in runs[k].values()), "recipe": recipe,
                                "steps": args.steps, "init_from": args.init_from, "per_category": tau, "note": args.note,
                                "pooled": True})
     _plot(results, args.model)
