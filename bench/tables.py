@@ -351,16 +351,25 @@ def native_target(results: Results) -> list[str]:
                      "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
 
 
+NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"model": "gemma3-270m", "tokens": 128})
+
+
 def native_target_gemma3(results: Results) -> list[str]:
-    """Reads greedy_tokens_per_s (baseline: llama.cpp's tg) and verify_cost T=5 of the Gemma 3
-    package file (type Q4_K_M) at each thread count."""
+    """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
+    k=1..3 (the kept Gemma draft) of the Gemma 3 package file (type Q4_K_M) at each thread count."""
     body = []
     for threads in (1, 2):
-        greedy = NATIVE.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}", model="gemma3-270m")
-        verify = NATIVE.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5", model="gemma3-270m")
+        greedy = NATIVE_GEMMA3.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}")
+        verify = NATIVE_GEMMA3.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5")
+        drafts = [NATIVE_GEMMA3.pick(results, f"draft_tokens_per_s/Q4_K_M/threads={threads}/k={k}") for k in (1, 2, 3)]
         body.append(["Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}", x(greedy["ratio"]),
-                     x(verify["value"])])
-    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens"], body)
+                     x(verify["value"]),
+                     " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
+                     f"{drafts[0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
+                     " / ".join(f"{d['params']['tau']:.2f}" for d in drafts)])
+    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens",
+                     "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "native greedy, same prompts",
+                     "tau"], body)
 
 
 CEILING = Source("draft_ceiling_cpu.jsonl", "draft_ceiling", {"model": "smollm2-135m-instruct", "set": "eagle3-m3"})
@@ -423,7 +432,8 @@ TABLES: tuple[Table, ...] = (
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
     Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
-          "greedy_tokens_per_s and verify_cost of the Gemma 3 Q4_K_M file at 1 and 2 threads", native_target_gemma3),
+          "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of the Gemma 3 Q4_K_M file at 1 and 2 threads",
+          native_target_gemma3),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
           "48-conversation EAGLE3-default draft under each evaluation rule", ceiling),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
