@@ -61,7 +61,13 @@ def cpu_model() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), model)
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        model = fields.get("model name", model)
+        # A virtual machine may name only the brand ("AMD EPYC"): family and model tell the
+        # microarchitecture (AMD family 23 is Zen 1-2, 25 is Zen 3-4).
+        if not any(ch.isdigit() for ch in model) and "cpu family" in fields:
+            model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
     except OSError:
         pass
     flags = cpu_flags()
