@@ -154,10 +154,13 @@ def main() -> None:
                     warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
                     keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else work / args.init_from,
                     **recipe)
-        if args.init_from is not None:  # the curve of a continued cell counts its parent's tokens
-            summary = json.loads((cell / SUMMARY_FILE).read_text())
-            (cell / SUMMARY_FILE).write_text(json.dumps({**summary, "parent_tokens": parent_tokens,
-                                                             "parent_steps": parent_steps}))
+        # The data as trained on (the data folder may grow afterwards), and for a continued cell its
+        # parent's tokens and steps, which its curve and kept facts count.
+        summary = json.loads((cell / SUMMARY_FILE).read_text())
+        summary.update(conversations=len(train), answer_tokens=sum(len(r["response_ids"]) for r in train))
+        if args.init_from is not None:
+            summary.update(parent_tokens=parent_tokens, parent_steps=parent_steps)
+        (cell / SUMMARY_FILE).write_text(json.dumps(summary))
     if "curve" not in args.stages:
         return
     evaluation = {name: rows for name, rows in evaluation.items() if name in args.curve_sets}

@@ -47,7 +47,11 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
     if not table:
         raise SystemExit(f"cell: no curve rows for {cell.name} step {step} in {CURVE}; run the long run's curve stage first")
     layers = list(summary["layers"])
-    train = held_sets(read_conversations(data / CONVERSATIONS_FILE), KEEP / model, summary["seed"])[0]
+    if "conversations" in summary:  # recorded by draft_long_run when the cell trained
+        conversations, answer_tokens = summary["conversations"], summary["answer_tokens"]
+    else:  # an older cell: the data folder must be as it was then
+        train = held_sets(read_conversations(data / CONVERSATIONS_FILE), KEEP / model, summary["seed"])[0]
+        conversations, answer_tokens = len(train), sum(len(r["response_ids"]) for r in train)
     out = DRAFTS / model / f"{layer_set}-{'-'.join(map(str, layers))}"
     draft = read_draft(cell).to(torch.bfloat16)
     write_draft(draft, out)
@@ -58,8 +62,8 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
         "target": model,
         "layers": layers,
         "layer_set": layer_set,
-        "conversations": len(train),
-        "answer_tokens": sum(len(r["response_ids"]) for r in train),
+        "conversations": conversations,
+        "answer_tokens": answer_tokens,
         # A continued cell (draft_long_run --init-from) counts its parents' tokens and steps too.
         "tokens_seen": summary.get("parent_tokens", 0) + sum(h["tokens"] for h in summary["history"]),
         "steps": summary.get("parent_steps", 0) + step,
@@ -86,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cell", type=Path, help="the long run's cell folder (its final draft and train_summary.json)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--set", required=True, help="the layer set's name (elsi-m1, eagle3-m3, ...)")
-    parser.add_argument("--data", type=Path, required=True, help="the regenerate folder the cell trained on")
+    parser.add_argument("--data", type=Path, required=True,
+                        help="the regenerate folder the cell trained on (read only for a cell whose summary does not "
+                        "record its data)")
     args = parser.parse_args(argv)
     print(keep(args.cell.resolve(), args.model, args.set, args.data))
     return 0
