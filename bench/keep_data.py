@@ -8,7 +8,8 @@
 ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` folder,
 `self_instruct.json` (the sampling settings), `instructions_raw.jsonl.gz` (every sampled user
 turn: ids, text, finished; the filter is a function of this file) and `instructions.jsonl.gz`
-(the kept ones). A target without a chat template (Gemma 3 270M, a base model) writes no
+(the kept ones), and for a `--corpus-tasks` folder `corpus_tasks.jsonl.gz` (the document tasks,
+whose passages come from the user's corpora). A target without a chat template (Gemma 3 270M, a base model) writes no
 instructions: its folder answers prompt files given to `--prompts` (several, in order), and
 `restore` takes the same files. `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
 command then continues sampling and answering where the kept run stopped. Plain JSON only: no
@@ -29,6 +30,7 @@ KEEP = ROOT / "bench" / "results" / "data"
 
 
 def keep(folder: Path, target: str) -> Path:
+    from elsi_fast.training.corpus_tasks import TASKS_FILE
     from elsi_fast.training.regenerate import SETTINGS_FILE, export_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -37,7 +39,8 @@ def keep(folder: Path, target: str) -> Path:
     sampled = (folder / "self_instruct.json").is_file()
     if sampled:
         shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
-    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
+    tasks = (TASKS_FILE,) if (folder / TASKS_FILE).is_file() else ()
+    for name in ((RAW_FILE, KEPT_FILE) if sampled else ()) + tasks:
         # mtime 0: the same data gives the same bytes, so a re-keep leaves git nothing to commit
         with open(folder / name, "rb") as src, gzip.GzipFile(out / (name + ".gz"), "wb", mtime=0) as dst:
             shutil.copyfileobj(src, dst)
@@ -50,6 +53,7 @@ def keep(folder: Path, target: str) -> Path:
 def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens: int) -> None:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.targets.loading import load_model
+    from elsi_fast.training.corpus_tasks import TASKS_FILE
     from elsi_fast.training.regenerate import restore_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -60,13 +64,17 @@ def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens:
     sampled = (kept / "self_instruct.json").is_file()
     if sampled:
         shutil.copyfile(kept / "self_instruct.json", folder / "self_instruct.json")
-    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
+    tasks = (TASKS_FILE,) if (kept / (TASKS_FILE + ".gz")).is_file() else ()
+    for name in ((RAW_FILE, KEPT_FILE) if sampled else ()) + tasks:
         with gzip.open(kept / (name + ".gz"), "rb") as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
     model, tokenizer = load_model(target, device="cpu", dtype="float32")
+    # In the order `regenerate` lists them: --prompts, the sampled instructions, the corpus tasks.
     prompts = [prompt for path in prompts_paths for prompt in load_prompts(path)]
     if sampled:
         prompts += load_prompts(str(folder / KEPT_FILE))
+    if tasks:
+        prompts += load_prompts(str(folder / TASKS_FILE))
     with gzip.open(kept / "answers.json.gz", "rt") as f:
         exported = json.load(f)
     engine = exported["settings"].get("engine", "transformers")

@@ -53,9 +53,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "OUT/instructions.jsonl, then answer them together with --prompts")
     parser.add_argument("--instruction-temperature", type=float, default=1.0,
                         help="--self-instruct: temperature of the sampled user turns (default 1.0, as Magpie)")
+    parser.add_argument("--corpus-tasks", type=positive_int, default=None, metavar="N",
+                        help="also answer N document tasks built from --corpus paragraphs (summarize, list the key "
+                        "points, extract names and numbers, simplify, a headline, a question about the article; "
+                        "anything near --eval-prompts dropped) written to OUT/corpus_tasks.jsonl")
+    parser.add_argument("--corpus", nargs="+", default=None, metavar="TEXT",
+                        help="--corpus-tasks: plain-text corpora (paragraphs between blank lines; WikiText as it ships)")
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
-                        help="--self-instruct: evaluation prompt files (Spec-Bench, MT-bench) that the instructions "
-                        "must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
+                        help="--self-instruct, --corpus-tasks: evaluation prompt files (Spec-Bench, MT-bench) that "
+                        "the prompts must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
     parser.add_argument("--restore", default=None, metavar="ANSWERS_JSON",
                         help="first rebuild OUT from kept answers (export_answers output, .json or .json.gz) made "
                         "with these same settings and prompts, on this or another machine, then continue")
@@ -112,15 +118,22 @@ def check(args: argparse.Namespace) -> None:
         if not isinstance(args.restored, dict) or not isinstance(args.restored.get("answers"), list) \
                 or not isinstance(args.restored.get("settings"), dict):
             raise UsageError("--restore: expected {\"settings\": ..., \"answers\": [...]} (export_answers output)")
-    if args.self_instruct is None:
+    if (args.corpus is None) != (args.corpus_tasks is None):
+        raise UsageError("--corpus: goes with --corpus-tasks (the corpora the document tasks are built from)"
+                         if args.corpus is not None else "--corpus-tasks: needs --corpus, the corpora to build them from")
+    for path in args.corpus or ():
+        if not os.path.isfile(path):
+            raise UsageError(f"--corpus: no such file: {path}")
+    if args.self_instruct is None and args.corpus_tasks is None:
         if args.eval_prompts is not None:
-            raise UsageError("--eval-prompts: only with --self-instruct")
+            raise UsageError("--eval-prompts: only with --self-instruct or --corpus-tasks")
         return
     if not (math.isfinite(args.instruction_temperature) and args.instruction_temperature > 0):
         raise UsageError(f"--instruction-temperature: must be a number > 0, got {args.instruction_temperature}")
     if not args.eval_prompts:
-        raise UsageError("--eval-prompts: --self-instruct needs the evaluation prompt files (e.g. Spec-Bench and "
-                         "MT-bench JSONL) so that no instruction comes near them")
+        which = "--self-instruct" if args.self_instruct is not None else "--corpus-tasks"
+        raise UsageError(f"--eval-prompts: {which} needs the evaluation prompt files (e.g. Spec-Bench and "
+                         "MT-bench JSONL) so that no prompt it writes comes near them")
     from ..training.self_instruct import evaluation_texts
 
     for path in args.eval_prompts:
@@ -175,6 +188,18 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
+    if args.corpus_tasks is not None:
+        from ..analysis.prompts import load_prompts
+        from ..training.corpus_tasks import write_corpus_tasks
+
+        try:
+            path = write_corpus_tasks(args.corpus, args.out, args.corpus_tasks, eval_texts=args.eval_texts,
+                                      seed=args.seed)
+        except ValueError as exc:
+            raise UsageError(f"--corpus: {one_line(exc).removeprefix('corpus: ')}") from None
+        tasks = load_prompts(str(path))
+        print(f"corpus tasks: {len(tasks)} document tasks from {len(args.corpus)} corpora; {path}")
+        prompts = prompts + tasks
     if args.restore is not None:
         from ..training.regenerate import restore_answers
 
