@@ -49,6 +49,17 @@ def python_ctrl_c_handler():
     signal.signal(signal.SIGINT, previous)
 
 
+def catalog_file(name: str):
+    """The GGUF file of a named real target (elsi_fast.targets.catalog); the test is skipped when its
+    package is not installed."""
+    from elsi_fast.targets import catalog
+
+    try:
+        return catalog.resolve(name)
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
 # The two real pretrained targets (elsi_fast.targets.catalog), loaded once per session: the first load in a
 # fresh cache dequantizes the GGUF file (about 1 minute for SmolLM2, 3 for Gemma 3 on 2 cores).
 @pytest.fixture(scope="session")

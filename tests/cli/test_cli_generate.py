@@ -10,8 +10,8 @@ import pytest
 
 from elsi_fast._infra._extension import _C
 from elsi_fast.cli import EXIT_USAGE, main
-from elsi_fast.targets import catalog
-from tiny_gguf import write_tiny  # tests/ is on sys.path
+from conftest import catalog_file  # tests/ is on sys.path
+from tiny_gguf import write_tiny
 
 pytest.importorskip("gguf")
 KEPT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "drafts",
@@ -22,10 +22,7 @@ KEPT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "resul
 def smollm2():
     if _C is None:
         pytest.skip("native extension not built")
-    try:
-        return str(catalog.resolve("smollm2-135m-instruct"))
-    except ValueError as error:
-        pytest.skip(str(error))
+    return str(catalog_file("smollm2-135m-instruct"))
 
 
 def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
@@ -66,10 +63,7 @@ def test_a_non_gguf_target_is_refused(tmp_path, capsys):
 def test_gemma3_greedy_runs(capsys):
     if _C is None:
         pytest.skip("native extension not built")
-    try:
-        gemma = str(catalog.resolve("gemma3-270m"))
-    except ValueError as error:
-        pytest.skip(str(error))
+    gemma = str(catalog_file("gemma3-270m"))
     assert main(["generate", "--target", gemma, "--prompt", "The three primary colors are", "--raw",
                  "--max-new-tokens", "6", "--threads", "1"]) == 0
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elsi_fast._infra._extension import _C
-from elsi_fast.targets import catalog
+from conftest import catalog_file  # tests/ is on sys.path
 from elsi_fast.targets.native_forward import NativeForward
 
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
@@ -25,10 +25,7 @@ MAX_TIE_GAP = 1.0
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    try:
-        return catalog.resolve(TARGET)
-    except ValueError as error:
-        pytest.skip(str(error))
+    return catalog_file(TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +33,13 @@ def native(gguf_path):
     return NativeForward(gguf_path, capacity=320, num_threads=2)
 
 
-@pytest.fixture(scope="module")
-def reference(gguf_path):
-    from elsi_fast.targets.loading import load_model
-
-    model, tokenizer = load_model(TARGET)
-    return model, tokenizer
-
-
 def prompt_ids(tokenizer) -> list[int]:
     messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
-def test_logits_match_transformers_over_greedy_positions(native, reference):
-    model, tokenizer = reference
+def test_logits_match_transformers_over_greedy_positions(native, smollm2):
+    model, tokenizer = smollm2
     prompt = prompt_ids(tokenizer)
     seq = prompt + native.greedy(prompt, 240)
     native.reset()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elsi_fast._infra._extension import _C
-from elsi_fast.targets import catalog
+from conftest import catalog_file  # tests/ is on sys.path
 from elsi_fast.targets.native_forward import NativeForward
 
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
@@ -28,22 +28,12 @@ WINDOW = 512
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    try:
-        return catalog.resolve(TARGET)
-    except ValueError as error:
-        pytest.skip(str(error))
+    return catalog_file(TARGET)
 
 
 @pytest.fixture(scope="module")
 def native(gguf_path):
     return NativeForward(gguf_path, capacity=640, num_threads=2)
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_path):
-    from elsi_fast.targets.loading import load_model
-
-    return load_model(TARGET)
 
 
 def long_sequence(native, tokenizer, shared_data: str) -> list[int]:
@@ -71,8 +61,8 @@ def reference_logits(model, seq: list[int], window: int) -> tuple[np.ndarray, tu
     return out.logits[0].double().numpy(), out.hidden_states
 
 
-def test_logits_match_transformers_past_the_sliding_window(native, reference, shared_data):
-    model, tokenizer = reference
+def test_logits_match_transformers_past_the_sliding_window(native, gemma3, shared_data):
+    model, tokenizer = gemma3
     seq = long_sequence(native, tokenizer, shared_data)
     native.reset()
     ours = np.concatenate([native.forward(seq[s:min(s + 8, len(seq) - 1)])[0] for s in range(0, len(seq) - 1, 8)])
