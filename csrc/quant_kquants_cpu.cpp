@@ -96,25 +96,9 @@ void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t 
 template <GgmlType T>
 constexpr DotsFn kScalarDots[kMaxRows + 1] = {nullptr, dots_scalar<T>};
 
-// ---------------------------------------------------------------- AVX2 (+ FMA, F16C)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#define ELSI_DOT_U8S8(u, s) simd::dot_u8s8_avx2(u, s)
-#include "quant_dots_more.inc"
-#undef ELSI_DOT_U8S8
-}  // namespace avx2
-#pragma GCC pop_options
-
-// ---------------------------------------------------------------- AVX-512 VNNI (256-bit vectors)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
-namespace avx512 {
-#define ELSI_DOT_U8S8(u, s) simd::dot_u8s8_vnni(u, s)
-#include "quant_dots_more.inc"
-#undef ELSI_DOT_U8S8
-}  // namespace avx512
-#pragma GCC pop_options
+#define ELSI_ISA_KERNELS "quant_dots_more.inc"
+#include "isa_variants.inc"
+#undef ELSI_ISA_KERNELS
 
 template <GgmlType T>
 const DotsFn* table(const char* isa) {
