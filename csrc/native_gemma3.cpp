@@ -46,11 +46,9 @@ inline float gelu_tanh(float x) {
 void NativeTarget::gemma3_attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads) {
   const NativeTargetConfig& c = config_;
   const int64_t d = c.hidden, hd = c.head_dim;
-  rms_norm_cpu(h_.data(), w.attn_norm, n, d, c.eps, xn_.data());
-  quantize_input(xn_.data(), n, d, xq_);
   const QuantMatrix qkv[3] = {w.q, w.k, w.v};
   float* const outs[3] = {q_.data(), k_.data(), v_.data()};
-  quant_linear_cpu(qkv, outs, 3, xq_, num_threads);
+  normed_products(w.attn_norm, qkv, outs, 3, n, num_threads);
   // Per-head norms in place (rms_norm_cpu reads a value before it writes it).
   rms_norm_cpu(q_.data(), w.q_norm, n * c.heads, hd, c.eps, q_.data());
   rms_norm_cpu(k_.data(), w.k_norm, n * c.kv_heads, hd, c.eps, k_.data());
@@ -59,9 +57,7 @@ void NativeTarget::gemma3_attention_block(const NativeLayer& w, int64_t layer, i
   rope_half(k_.data(), n, c.kv_heads, hd, length_, inv_freq);
   append_kv(layer, n);
   attend(layer, n, c.query_scale, w.sliding ? c.sliding_window : 0, num_threads);
-  quantize_input(att_.data(), n, c.heads * hd, xq_);
-  float* const proj[1] = {proj_.data()};
-  quant_linear_cpu(&w.o, proj, 1, xq_, num_threads);
+  project(att_.data(), c.heads * hd, w.o, n, num_threads);
   rms_norm_cpu(proj_.data(), w.post_attn_norm, n, d, c.eps, xn_.data());
   for (int64_t i = 0; i < n * d; ++i) h_[i] += xn_[i];
 }
@@ -69,15 +65,11 @@ void NativeTarget::gemma3_attention_block(const NativeLayer& w, int64_t layer, i
 void NativeTarget::gemma3_mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
   const NativeTargetConfig& c = config_;
   const int64_t d = c.hidden;
-  rms_norm_cpu(h_.data(), w.ffn_norm, n, d, c.eps, xn_.data());
-  quantize_input(xn_.data(), n, d, xq_);
   const QuantMatrix gate_up[2] = {w.gate, w.up};
   float* const outs[2] = {gate_.data(), up_.data()};
-  quant_linear_cpu(gate_up, outs, 2, xq_, num_threads);
+  normed_products(w.ffn_norm, gate_up, outs, 2, n, num_threads);
   for (int64_t i = 0; i < n * c.ffn; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
-  quantize_input(gate_.data(), n, c.ffn, xq_);
-  float* const proj[1] = {proj_.data()};
-  quant_linear_cpu(&w.down, proj, 1, xq_, num_threads);
+  project(gate_.data(), c.ffn, w.down, n, num_threads);
   rms_norm_cpu(proj_.data(), w.post_ffn_norm, n, d, c.eps, xn_.data());
   for (int64_t i = 0; i < n * d; ++i) h_[i] += xn_[i];
 }

@@ -87,21 +87,30 @@ void NativeTarget::rollback(int64_t position) {
   length_ = position;
 }
 
+void NativeTarget::normed_products(const float* norm, const QuantMatrix* mats, float* const* outs, int count,
+                                   int64_t n, int num_threads) {
+  rms_norm_cpu(h_.data(), norm, n, config_.hidden, config_.eps, xn_.data());
+  quantize_input(xn_.data(), n, config_.hidden, xq_);
+  quant_linear_cpu(mats, outs, count, xq_, num_threads);
+}
+
+void NativeTarget::project(const float* x, int64_t cols, const QuantMatrix& m, int64_t n, int num_threads) {
+  quantize_input(x, n, cols, xq_);
+  float* const proj[1] = {proj_.data()};
+  quant_linear_cpu(&m, proj, 1, xq_, num_threads);
+}
+
 void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads) {
   const NativeTargetConfig& c = config_;
   const int64_t d = c.hidden, hd = c.head_dim;
-  rms_norm_cpu(h_.data(), w.attn_norm, n, d, c.eps, xn_.data());
-  quantize_input(xn_.data(), n, d, xq_);
   const QuantMatrix qkv[3] = {w.q, w.k, w.v};
   float* const outs[3] = {q_.data(), k_.data(), v_.data()};
-  quant_linear_cpu(qkv, outs, 3, xq_, num_threads);
+  normed_products(w.attn_norm, qkv, outs, 3, n, num_threads);
   rope(q_.data(), n, c.heads, hd, length_, w_.inv_freq);
   rope(k_.data(), n, c.kv_heads, hd, length_, w_.inv_freq);
   append_kv(layer, n);
   attend(layer, n, 1.0f / std::sqrt(static_cast<float>(hd)), 0, num_threads);
-  quantize_input(att_.data(), n, c.heads * hd, xq_);
-  float* const proj[1] = {proj_.data()};
-  quant_linear_cpu(&w.o, proj, 1, xq_, num_threads);
+  project(att_.data(), c.heads * hd, w.o, n, num_threads);
   for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
 }
 
@@ -152,20 +161,15 @@ void NativeTarget::attend(int64_t layer, int64_t n, float scale, int64_t window,
 
 void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
   const NativeTargetConfig& c = config_;
-  const int64_t d = c.hidden;
-  rms_norm_cpu(h_.data(), w.ffn_norm, n, d, c.eps, xn_.data());
-  quantize_input(xn_.data(), n, d, xq_);
   const QuantMatrix gate_up[2] = {w.gate, w.up};
   float* const outs[2] = {gate_.data(), up_.data()};
-  quant_linear_cpu(gate_up, outs, 2, xq_, num_threads);
+  normed_products(w.ffn_norm, gate_up, outs, 2, n, num_threads);
   for (int64_t i = 0; i < n * c.ffn; ++i) {
     const float g = gate_[i];
     gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
   }
-  quantize_input(gate_.data(), n, c.ffn, xq_);
-  float* const proj[1] = {proj_.data()};
-  quant_linear_cpu(&w.down, proj, 1, xq_, num_threads);
-  for (int64_t i = 0; i < n * d; ++i) h_[i] += proj_[i];
+  project(gate_.data(), c.ffn, w.down, n, num_threads);
+  for (int64_t i = 0; i < n * c.hidden; ++i) h_[i] += proj_[i];
 }
 
 void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* logit_rows, int64_t n_logits,

@@ -82,6 +82,12 @@ class NativeTarget {
   // Gemma 3's blocks (native_gemma3.cpp).
   void gemma3_attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
   void gemma3_mlp_block(const NativeLayer& w, int64_t n, int num_threads);
+  // The norm of h_'s n rows (weights `norm`) into xn_, int8-quantized, times each of the `count`
+  // matrices into outs[i]: the products that open an attention or MLP block.
+  void normed_products(const float* norm, const QuantMatrix* mats, float* const* outs, int count, int64_t n,
+                       int num_threads);
+  // x [n, cols] int8-quantized, times m into proj_: the products that close a block.
+  void project(const float* x, int64_t cols, const QuantMatrix& m, int64_t n, int num_threads);
   // k_ and v_ of the n new rows into the cache of `layer`.
   void append_kv(int64_t layer, int64_t n);
   // att_ = attention of the n rows of q_ over the cache of `layer` (causal); window > 0: a row at
