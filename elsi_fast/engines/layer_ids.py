@@ -56,6 +56,14 @@ LLAMACPP_LAYERS = 3  # llama.cpp's eagle3 draft takes exactly this many target s
 # measures it on SmolLM2); the MTP graphs (qwen35, gemma4, deepseek2, glm4moe, ...) set it after
 # the final norm, a different state.
 LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT = frozenset({"gpt-oss"})
+# Target architectures whose llama.cpp graph publishes each block's input (`res->t_layer_inp`), the
+# states an eagle3 draft reads. On any other target (gemma3, gemma2, phi3, ...) llama.cpp aborts
+# when the draft's context asks for them ("layer input tensor is null"). Read from the vendored
+# source's `src/models/*.cpp` and their `llama_model_mapping` entries (tests/engines check it).
+LLAMACPP_ARCHS_WITH_LAYER_INPUTS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2", "minimax-01",
+    "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+    "qwen3next", "qwen4exp"})
 
 
 def check_engine(engine: str) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from elsi_fast.draft import Eagle3Config, Eagle3Draft, write_draft
-from elsi_fast.engines.layer_ids import llamacpp_layer_ids
+from elsi_fast.engines.layer_ids import LLAMACPP_ARCHS_WITH_LAYER_INPUTS, llamacpp_layer_ids
 
 from .random_draft import randomize_draft_
 
@@ -277,6 +278,30 @@ def test_bad_targets_are_refused(tmp_path):
         write_draft(draft, tmp_path / "d.gguf", format="gguf", target=tmp_path / "missing.gguf")
     with pytest.raises(ValueError, match=r"target: only format 'gguf' takes it"):
         write_draft(draft, tmp_path / "dir", target=tmp_path / "t300.gguf")
+
+
+def test_targets_whose_graph_publishes_no_layer_states_are_refused(tmp_path):
+    """llama.cpp aborts an eagle3 draft on a gemma3 target ("layer input tensor is null"): one line."""
+    target = fake_target(tmp_path / "target.gguf", arch="gemma3")
+    with pytest.raises(ValueError, match=r"target: .*cannot serve an EAGLE3 draft on a 'gemma3' target"):
+        write_draft(make_draft(289, (1,), 0), tmp_path / "d.gguf", format="gguf", target=target)
+    assert not (tmp_path / "d.gguf").exists()
+
+
+def test_layer_input_archs_are_the_vendored_graphs_that_publish_them(llamacpp):
+    """LLAMACPP_ARCHS_WITH_LAYER_INPUTS against llama.cpp's own source: the architectures mapped to a
+    model class whose graph sets `res->t_layer_inp[il]`."""
+    src = llamacpp.source_dir() / "src"
+    publishing = {m.group(1) for f in (src / "models").glob("*.cpp") if "t_layer_inp[il]" in (text := f.read_text())
+                  for m in re.finditer(r"(llama_model_\w+)::build_arch_graph", text)}
+    mapping = (src / "llama-model.cpp").read_text()
+    mapping = mapping[mapping.index("llama_model_mapping"):]
+    names = dict(re.findall(r'\{\s*(LLM_ARCH_\w+),\s*"([^"]+)"\s*\}', (src / "llama-arch.cpp").read_text()))
+    archs = {names[arch] for cases, cls in re.findall(r"((?:case LLM_ARCH_\w+:\s*)+)return new (llama_model_\w+)\(",
+                                                       mapping[: mapping.index("\n}\n")])
+             if cls in publishing for arch in re.findall(r"LLM_ARCH_\w+", cases)}
+    assert {"llama", "qwen3"} <= archs and "gemma3" not in archs
+    assert archs == LLAMACPP_ARCHS_WITH_LAYER_INPUTS
 
 
 def test_last_block_output_is_allowed_where_llamacpp_delivers_it(tmp_path):

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ...engines.layer_ids import (LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT, LLAMACPP_LAYERS, eagle3_default_layers,
-                                  llamacpp_layer_ids)
+from ...engines.layer_ids import (LLAMACPP_ARCHS_WITH_LAST_BLOCK_OUTPUT, LLAMACPP_ARCHS_WITH_LAYER_INPUTS,
+                                  LLAMACPP_LAYERS, eagle3_default_layers, llamacpp_layer_ids)
 from ..model import Eagle3Draft, rope_inv_freq
 
 ARCH = "eagle3"
@@ -160,6 +160,10 @@ def _raw_value(field) -> tuple:
 def _check_draft(config, info: dict) -> tuple[int, ...]:
     """The draft's input-to-layer ids, after checking that llama.cpp can serve the draft on this target."""
     n = info["num_blocks"]
+    if info["arch"] not in LLAMACPP_ARCHS_WITH_LAYER_INPUTS:
+        raise ValueError(f"target: llama.cpp (llama-cpp-python 0.3.36) cannot serve an EAGLE3 draft on a "
+                         f"{info['arch']!r} target: its graph publishes no layer states (llama.cpp aborts); "
+                         f"serve it with `elsi-fast generate --draft` or vLLM")
     variants = [name for name in _UNSUPPORTED_VARIANTS if name in config.variants]
     if variants:
         raise ValueError(f"draft: llama.cpp's eagle3 graph implements norm_before_residual and norm_before_fc only, "
