@@ -97,6 +97,9 @@ def main() -> None:
                         "the new cell is CELL+STEPS and its curve counts CELL's tokens")
     parser.add_argument("--lr", type=float, default=RECIPE["lr"],
                         help=f"peak learning rate (default {RECIPE['lr']:g}); another one names the cell <cell>-lr<LR>")
+    parser.add_argument("--draft-vocab-size", type=int, default=RECIPE["draft_vocab_size"],
+                        help=f"(default {RECIPE['draft_vocab_size']}); with --init-from a larger one grows the parent's "
+                        "vocabulary; another one names the cell <cell>-v<SIZE>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=["held-in", "held-out", "spec-bench"],
                         help="the evaluation sets the curve stage replays")
@@ -115,12 +118,13 @@ def main() -> None:
     from elsi_fast.training.train import CHECKPOINTS_DIR, SUMMARY_FILE, train_draft, training_precision
     from elsi_fast.training.training_data import conversation_samples
 
-    recipe = {**RECIPE, "lr": args.lr}
-    lr_tag = "" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}"
+    recipe = {**RECIPE, "lr": args.lr, "draft_vocab_size": args.draft_vocab_size}
+    recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
+        ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
-    cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}{lr_tag}"
+    cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}{recipe_tag}"
     parent_tokens = 0
     if args.init_from is not None:
         parent = work / args.init_from
@@ -129,7 +133,7 @@ def main() -> None:
         parent_summary = json.loads((parent / SUMMARY_FILE).read_text())
         parent_tokens = parent_summary.get("parent_tokens", 0) + sum(h["tokens"] for h in parent_summary["history"])
         parent_steps = parent_summary.get("parent_steps", 0) + parent_summary["history"][-1]["step"]
-        cell = work / f"{args.init_from}+{args.steps}{lr_tag}"
+        cell = work / f"{args.init_from}+{args.steps}{recipe_tag}"
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)

@@ -517,8 +517,8 @@ def measure(args: argparse.Namespace) -> None:
     model, tokenizer = load_target(target)
     device = f"{cpu_model()} ({args.threads} threads)"
     experiment = Path(args.experiment)
-    records = read_conversations(experiment / "eval" / "conversations.jsonl")
-    cache = open_cache(experiment / "cache-eval")
+    records = read_conversations(args.eval_conversations or experiment / "eval" / "conversations.jsonl")
+    cache = open_cache(args.eval_cache or experiment / "cache-eval")
     chosen = first_per_category(records, args.per_category)
     work = Path(args.out) / "measure"
     work.mkdir(parents=True, exist_ok=True)
@@ -527,7 +527,7 @@ def measure(args: argparse.Namespace) -> None:
     _, plain = plain_decode_speed(target, args.n_predict, args.threads, depth)
     common = {"target": SMOLLM2_FILE, "prompts": len(chosen), "per_category": args.per_category,
               "n_predict": args.n_predict, "threads": args.threads, "greedy": True, "stops_at": "end of turn",
-              "plain_decode_tokens_per_s": plain, "plain_depth": depth}
+              "plain_decode_tokens_per_s": plain, "plain_depth": depth, "note": args.note}
     print(f"without speculation: {plain:.1f} tokens/s (llama-bench tg{args.n_predict} at depth {depth})", flush=True)
     for name, spec_args in NGRAM_MODES + (("lookup", None),):
         runs = [_lookup(target, p, args) if spec_args is None else
@@ -575,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafts", nargs="+", default=[], help="`measure`: draft folders (EAGLE3 format) to serve")
     p.add_argument("--experiment", default=str(ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"),
                    help="`measure`: the draft experiment's folder (its evaluation continuations and their cache)")
+    p.add_argument("--eval-conversations", type=Path, default=None,
+                   help="`measure`: Spec-Bench continuations instead of the experiment's (e.g. a long run's "
+                        "spec-bench/conversations.jsonl)")
+    p.add_argument("--eval-cache", type=Path, default=None,
+                   help="`measure`: their feature cache, holding the drafts' layers (e.g. a long run's "
+                        "cache-spec-bench-11)")
+    p.add_argument("--note", default=None, help="`measure`: conditions to record in the rows")
     p.add_argument("--per-category", type=int, default=8, help="`measure`: Spec-Bench prompts per category")
     p.add_argument("--draft-dtype", choices=GGUF_DTYPES, default="f16", help="`measure`: the draft GGUF's weights")
     p.add_argument("--sdist", type=Path, default=None,

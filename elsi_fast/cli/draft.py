@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate, warmup then cosine (default 3e-3)")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
     train.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test depth (default 3; EAGLE3: 7)")
-    train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024))")
+    train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024), or --init-from's)")
     train.add_argument("--intermediate-size", type=positive_int, default=None, help="draft MLP width (default: the target's)")
     train.add_argument("--save-every", type=positive_int, default=50,
                        help="write the checkpoint and training state every this many steps (default 50)")
@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "and final norm (default random)")
     train.add_argument("--init-from", default=None, metavar="DRAFT",
                        help="continue from this draft folder (a kept draft, more data or a second schedule): its "
-                       "weights and draft vocabulary, a fresh optimizer; same layers and --draft-vocab-size")
+                       "weights and draft vocabulary, a fresh optimizer; same layers; a larger --draft-vocab-size grows the "
+                       "vocabulary with the data's most frequent tokens it lacks (default: its size)")
     train.add_argument("--cache-dir", default=None,
                        help="offline training: dump the target's states on the conversations here once (or reuse them)")
     train.add_argument("--cache-layers", type=int, nargs="+", default=None,

@@ -90,6 +90,20 @@ def draft_vocab_ids(token_ids: torch.Tensor, vocab_size: int, draft_vocab_size: 
     return torch.sort(order[:draft_vocab_size]).values
 
 
+def grown_draft_vocab_ids(kept: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
+                          draft_vocab_size: int) -> torch.Tensor:
+    """`kept` (a draft's vocabulary, ascending target ids) grown to `draft_vocab_size` ids with the
+    most frequent ids of `token_ids` it lacks (ties to the smaller id, then unseen ids in id order),
+    sorted ascending: a continued draft keeps every token it can draft today."""
+    if not kept.numel() <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size: must be in {kept.numel()}..{vocab_size} (the kept draft's vocabulary "
+                         f"to the target's), got {draft_vocab_size}")
+    counts = torch.bincount(token_ids.flatten(), minlength=vocab_size).to(torch.float64)
+    counts[kept] = float("inf")  # first in the order, whatever their count now
+    order = torch.sort(-counts, stable=True).indices
+    return torch.sort(order[:draft_vocab_size]).values
+
+
 def draft_config_for(target, layers: Sequence[int], draft_vocab_size: int, **overrides) -> Eagle3Config:
     """An `Eagle3Config` shaped like the target's own blocks (EAGLE3's choice), reading `layers`.
 
@@ -240,23 +254,42 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
         offset += g.numel()
 
 
-def _continued_draft(path: "str | os.PathLike", config: Eagle3Config, embed: torch.Tensor) -> Eagle3Draft:
-    """The draft at `path` in fp32, refused unless it has this run's layers and shape."""
+def _read_continued(path: "str | os.PathLike", embed: torch.Tensor) -> Eagle3Draft:
+    """The draft at `path` in fp32, or one line saying it is none."""
     from ..draft.formats import read_draft
 
     try:
-        start = read_draft(path, embed, dtype=torch.float32)
+        return read_draft(path, embed, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"init_from: {path} is not a readable draft folder ({error})") from None
+
+
+def _check_continued(start: Eagle3Draft, path: "str | os.PathLike", config: Eagle3Config) -> None:
+    """Refuse `start` unless it has this run's layers and shape (its draft vocabulary may be
+    smaller: `_grown_state` widens it)."""
     if list(start.config.aux_layer_ids) != list(config.aux_layer_ids):
         raise ValueError(f"init_from: {path} reads layers {list(start.config.aux_layer_ids)}, "
                          f"this run {list(config.aux_layer_ids)}")
     theirs, ours = start.config.to_dict(), config.to_dict()
+    if theirs["draft_vocab_size"] < ours["draft_vocab_size"]:
+        theirs["draft_vocab_size"] = ours["draft_vocab_size"]
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if differ:
         raise ValueError(f"init_from: {path} differs from this run's draft in {', '.join(differ)} "
                          f"({', '.join(f'{k}={theirs.get(k)!r} vs {ours.get(k)!r}' for k in differ[:3])})")
-    return start
+
+
+def _grown_state(start: Eagle3Draft, draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """`start`'s weights for `draft`, whose draft vocabulary holds `start`'s and maybe more: a kept
+    token keeps its head row; a new one starts at a zero row (logit 0, below what a trained head
+    gives the tokens it drafts), so the continued draft first drafts what `start` drafted."""
+    state = {k: v for k, v in start.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    n = start.config.draft_vocab_size
+    old_ids = start.draft_to_target(torch.arange(n))
+    new_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
+    head = start.lm_head.weight.new_zeros(draft.lm_head.weight.shape)
+    head[torch.searchsorted(new_ids, old_ids)] = start.lm_head.weight.detach()
+    return {**state, "lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d}
 
 
 def init_from_target(draft: Eagle3Draft, target) -> None:
@@ -357,10 +390,12 @@ def train_draft(
     `feature_cache.FeatureCache` dumped from these samples: the target then never runs (offline
     training). draft_config: `Eagle3Config` field overrides (default: the target's block shape).
     draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
-    min(vocab, 1024)). ttt_steps: training-time-test depth (EAGLE3 uses 7). init: "random" or
-    "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
-    schedule for a kept draft): its weights and draft vocabulary (`draft_vocab_size` must be its
-    size), with a fresh optimizer and schedule; its layers and shape must be this run's. batch_size is the global batch: under torch.distributed each rank
+    min(vocab, 1024), or the continued draft's). ttt_steps: training-time-test depth (EAGLE3 uses
+    7). init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
+    schedule for a kept draft): its weights and draft vocabulary, with a fresh optimizer and
+    schedule; its layers and shape must be this run's. A larger `draft_vocab_size` grows its
+    vocabulary with the data's most frequent tokens it lacks (`grown_draft_vocab_ids`), whose head
+    rows start at zero. batch_size is the global batch: under torch.distributed each rank
     takes its share of every step's batch and the gradients are summed, which gives the weights of
     one process on the same batches (to float tolerance). The training state is saved to `out_dir`
     every `save_every` steps and on Ctrl-C (once the step under way ends, then KeyboardInterrupt is
@@ -387,25 +422,31 @@ def train_draft(
         raise ValueError(f"keep_steps: expected steps in 1..{steps}, got {list(keep_steps)}")
     layers = check_layer_set(layers, len(decoder_layers(target)))
     vocab_size = target.config.vocab_size
-    draft_vocab_size = min(vocab_size, 1024) if draft_vocab_size is None else draft_vocab_size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
     start_time = time.perf_counter()
 
     source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
-    config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
     embed = target.get_input_embeddings().weight.detach()
-    start = None if init_from is None else _continued_draft(init_from, config, embed)
-    vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size) if start is None \
-        else start.draft_to_target(torch.arange(draft_vocab_size))
+    start = None if init_from is None else _read_continued(init_from, embed)
+    if draft_vocab_size is None:
+        draft_vocab_size = min(vocab_size, 1024) if start is None else start.config.draft_vocab_size
+    config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
+    if start is not None:
+        _check_continued(start, init_from, config)
+    if start is None:
+        vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
+    else:
+        vocab_ids = grown_draft_vocab_ids(start.draft_to_target(torch.arange(start.config.draft_vocab_size)),
+                                          predicted, vocab_size, draft_vocab_size)
     # A token outside the draft vocabulary can never be drafted: the share inside caps acceptance.
     coverage = float(torch.isin(predicted, vocab_ids).float().mean()) if predicted.numel() else 1.0
     torch.manual_seed(seed)
     draft = Eagle3Draft(config, embed)
     draft.set_draft_vocab(vocab_ids)
     if start is not None:
-        draft.load_state_dict(start.state_dict())
+        draft.load_state_dict(_grown_state(start, draft))
     elif init == "target":
         init_from_target(draft, target)
     device = embed.device

@@ -12,7 +12,7 @@ import torch
 
 from elsi_fast.draft import Eagle3Draft
 from elsi_fast.training import train as train_mod
-from elsi_fast.training.train import draft_vocab_ids, train_draft, ttt_loss
+from elsi_fast.training.train import draft_vocab_ids, grown_draft_vocab_ids, train_draft, ttt_loss
 from elsi_fast.training.training_data import token_stream
 from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER, conversation_samples_of_tiny_target
 
@@ -330,3 +330,42 @@ def test_init_from_continues_a_kept_draft_with_its_weights_and_vocabulary(sample
                     **{**args, "draft_vocab_size": 8})
     with pytest.raises(ValueError, match="init_from: .* is not a readable draft folder"):
         train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad3", init_from=tmp_path / "none", **args)
+
+
+def test_grown_vocabulary_keeps_the_drafts_tokens_then_the_most_frequent_ones():
+    kept, data = torch.tensor([5, 9]), torch.tensor([1, 1, 1, 2, 2, 9, 7])
+    assert grown_draft_vocab_ids(kept, data, 12, 2).tolist() == [5, 9]
+    assert grown_draft_vocab_ids(kept, data, 12, 4).tolist() == [1, 2, 5, 9]
+    assert grown_draft_vocab_ids(kept, data, 12, 5).tolist() == [1, 2, 5, 7, 9]
+    assert grown_draft_vocab_ids(kept, data, 12, 7).tolist() == [0, 1, 2, 3, 5, 7, 9]  # then unseen ids in order
+    with pytest.raises(ValueError, match=r"draft_vocab_size: must be in 2..12"):
+        grown_draft_vocab_ids(kept, data, 12, 1)
+
+
+def test_init_from_grows_the_draft_vocabulary(samples, tmp_path):
+    """A larger draft_vocab_size continues the kept draft on a wider vocabulary: its tokens keep
+    their head rows (same logits), the data's most frequent other tokens join with zero rows."""
+    small = {**CONVERSATION_ARGS, "draft_vocab_size": 8}
+    first = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "first", **small).draft
+    grown = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "grown", init_from=tmp_path / "first",
+                        **{**small, "steps": 1, "lr": 1e-30, "draft_vocab_size": 20}).draft
+    old = first.draft_to_target(torch.arange(8)).tolist()
+    new = grown.draft_to_target(torch.arange(20)).tolist()
+    counts = collections.Counter(int(t) for s in samples for t in s.ids[s.loss_mask])
+    others = sorted((t for t in range(TARGET.config.vocab_size) if t not in old), key=lambda t: (-counts[t], t))
+    assert new == sorted(old + others[:12])
+    rows = {t: i for i, t in enumerate(new)}
+    for i, t in enumerate(old):
+        assert torch.equal(grown.lm_head.weight[rows[t]], first.lm_head.weight[i])
+    # zero rows, moved only by the 1e-30 step (the kept rows' 1e-30 steps round away)
+    assert all(float(grown.lm_head.weight[rows[t]].abs().max()) < 1e-25 for t in others[:12])
+    mine = {k: v for k, v in grown.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    for name, tensor in first.state_dict().items():
+        if name in mine:
+            assert torch.equal(mine[name], tensor), name
+    with pytest.raises(ValueError, match="init_from: .* differs from this run's draft in draft_vocab_size"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "shrunk", init_from=tmp_path / "grown",
+                    **{**small, "steps": 1})
+    again = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "again", init_from=tmp_path / "grown",
+                        **{**small, "steps": 1, "draft_vocab_size": None}).draft
+    assert again.draft_to_target(torch.arange(20)).tolist() == new  # by default the continued draft's vocabulary
