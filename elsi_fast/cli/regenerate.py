@@ -121,9 +121,14 @@ def check(args: argparse.Namespace) -> None:
     if (args.corpus is None) != (args.corpus_tasks is None):
         raise UsageError("--corpus: goes with --corpus-tasks (the corpora the document tasks are built from)"
                          if args.corpus is not None else "--corpus-tasks: needs --corpus, the corpora to build them from")
-    for path in args.corpus or ():
-        if not os.path.isfile(path):
-            raise UsageError(f"--corpus: no such file: {path}")
+    if args.corpus:
+        from ..training.corpus_tasks import MAX_WORDS, MIN_WORDS, passages
+
+        for path in args.corpus:
+            if not os.path.isfile(path):
+                raise UsageError(f"--corpus: no such file: {path}")
+            if not passages(path):  # before the target loads: a typo'd file costs no model load
+                raise UsageError(f"--corpus: no paragraph of {MIN_WORDS}-{MAX_WORDS} words in {path}")
     if args.self_instruct is None and args.corpus_tasks is None:
         if args.eval_prompts is not None:
             raise UsageError("--eval-prompts: only with --self-instruct or --corpus-tasks")

@@ -98,6 +98,8 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["hello there"]}) + "\n")
     corpus = tmp_path / "c.txt"
     corpus.write_text(words(70, "x"))
+    short = tmp_path / "short.txt"
+    short.write_text(words(20, "y"))
     base = ["regenerate", "--target", "smollm2-135m-instruct", "--prompts", str(prompts), "--out",
             str(tmp_path / "out")]
     cases = [
@@ -105,6 +107,7 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
         (["--corpus", str(corpus)], "--corpus: goes with --corpus-tasks"),
         (["--corpus-tasks", "5", "--corpus", str(tmp_path / "nope.txt")], "--corpus: no such file"),
         (["--corpus-tasks", "5", "--corpus", str(corpus)], "--eval-prompts: --corpus-tasks needs"),
+        (["--corpus-tasks", "5", "--corpus", str(corpus), str(short)], f"--corpus: no paragraph of 60-200 words in {short}"),
     ]
     capsys.readouterr()
     for extra, message in cases:
