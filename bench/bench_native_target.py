@@ -14,7 +14,8 @@ Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantiz
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
 verify cost: a 5-token forward (k = 4 drafted tokens) against a 1-token forward at --context
-positions, each rolled back.
+positions, each rolled back; the samples keep every T = 1..5 with all rows' logits and with none
+(`forward_ms`: "all" and "body", the head's share being the difference).
   -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
      greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
                                              threads (ratio = native / llama.cpp; TARGET >= 1.0)
@@ -106,18 +107,20 @@ def native_greedy(model: NativeForward, tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def native_verify_cost(model: NativeForward, context: int, reps: int) -> tuple[float, float]:
-    """Median ms of a 1-token and a 5-token forward (all rows' logits) at `context` positions."""
+def native_forward_costs(model: NativeForward, context: int, reps: int) -> dict[str, dict[int, float]]:
+    """Median ms of a T-token forward at `context` positions for T = 1..5: "all" with every row's
+    logits (a verify), "body" with none (the blocks alone; the difference is the head's rows)."""
     model.reset()
     model.prefill(np.arange(context) % 1000 + 100)
-    times: dict[int, list[float]] = {1: [], 5: []}
+    times: dict[str, dict[int, list[float]]] = {"all": {}, "body": {}}
     for _ in range(reps):
-        for t in (1, 5):
-            start = time.perf_counter()
-            model.forward(np.arange(t) + 200)
-            times[t].append(1000 * (time.perf_counter() - start))
-            model.rollback(context)
-    return statistics.median(times[1]), statistics.median(times[5])
+        for t in range(1, 6):
+            for part, rows in (("all", None), ("body", [])):
+                start = time.perf_counter()
+                model.forward(np.arange(t) + 200, rows)
+                times[part].setdefault(t, []).append(1000 * (time.perf_counter() - start))
+                model.rollback(context)
+    return {part: {t: statistics.median(v) for t, v in by_t.items()} for part, by_t in times.items()}
 
 
 def chat_prompts(path: Path, count: int) -> list[list[int]]:
@@ -201,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             ts, build = llamacpp_greedy(files[kind], args.tokens, threads)
             s["llama.cpp"].append(ts)
             s["native"].append(native_greedy(model, args.tokens))
-            t1, t5 = native_verify_cost(model, args.context, reps=5)
+            costs = native_forward_costs(model, args.context, reps=5)
+            t1, t5 = costs["all"][1], costs["all"][5]
             s["t1_ms"].append(t1)
             s["t5_ms"].append(t5)
+            s.setdefault("forward_ms", []).append(costs)
             if args.k:
                 d = native_draft_round(model, drafts[kind], prompts, args.tokens, args.k)
                 s["chat_greedy"].append(d["new_tokens"] / d["greedy_s"])
