@@ -15,13 +15,14 @@
 namespace elsi_fast {
 namespace {
 
-// Rotates pairs (i, i + hd/2) of every head of the n rows of x [n, heads * hd] at positions pos0 + t.
-void rope_half(float* x, int64_t n, int64_t heads, int64_t hd, int64_t pos0, const std::vector<float>& inv_freq) {
+// Rotates pairs (i, i + hd/2) of every head of the n rows of x [n, heads * hd], row t at positions[t].
+void rope_half(float* x, int64_t n, int64_t heads, int64_t hd, const int64_t* positions,
+               const std::vector<float>& inv_freq) {
   const int64_t half = hd / 2;
   std::vector<float> cos_t(half), sin_t(half);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(pos0 + t) * inv_freq[i];
+      const float angle = static_cast<float>(positions[t]) * inv_freq[i];
       cos_t[i] = std::cos(angle), sin_t[i] = std::sin(angle);
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -53,8 +54,8 @@ void NativeTarget::gemma3_attention_block(const NativeLayer& w, int64_t layer, i
   rms_norm_cpu(q_.data(), w.q_norm, n * c.heads, hd, c.eps, q_.data());
   rms_norm_cpu(k_.data(), w.k_norm, n * c.kv_heads, hd, c.eps, k_.data());
   const std::vector<float>& inv_freq = w.sliding ? w_.inv_freq_local : w_.inv_freq;
-  rope_half(q_.data(), n, c.heads, hd, length_, inv_freq);
-  rope_half(k_.data(), n, c.kv_heads, hd, length_, inv_freq);
+  rope_half(q_.data(), n, c.heads, hd, row_pos_.data(), inv_freq);
+  rope_half(k_.data(), n, c.kv_heads, hd, row_pos_.data(), inv_freq);
   append_kv(layer, n);
   attend(layer, n, c.query_scale, w.sliding ? c.sliding_window : 0, num_threads);
   project(att_.data(), c.heads * hd, w.o, n, num_threads);

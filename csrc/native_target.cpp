@@ -25,12 +25,12 @@ void check_matrix(const QuantMatrix& m, int64_t rows, int64_t cols, const char* 
               std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]");
 }
 
-// Rotates pairs (2i, 2i+1) of every head of the n rows of x [n, heads * hd] at positions pos0 + t.
-void rope(float* x, int64_t n, int64_t heads, int64_t hd, int64_t pos0, const std::vector<float>& inv_freq) {
+// Rotates pairs (2i, 2i+1) of every head of the n rows of x [n, heads * hd], row t at positions[t].
+void rope(float* x, int64_t n, int64_t heads, int64_t hd, const int64_t* positions, const std::vector<float>& inv_freq) {
   std::vector<float> cos_t(hd / 2), sin_t(hd / 2);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < hd / 2; ++i) {
-      const float angle = static_cast<float>(pos0 + t) * inv_freq[i];
+      const float angle = static_cast<float>(positions[t]) * inv_freq[i];
       cos_t[i] = std::cos(angle), sin_t[i] = std::sin(angle);
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -53,6 +53,7 @@ NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weig
   require(c.heads % c.kv_heads == 0, "heads must be a multiple of kv_heads");
   require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be even");
   require(c.capacity > 0, "capacity must be positive");
+  require(c.sequences > 0, "sequences must be positive");
   require(static_cast<int64_t>(w_.layers.size()) == c.layers, "one weight set per layer");
   require(static_cast<int64_t>(w_.inv_freq.size()) == c.head_dim / 2, "inv_freq must hold head_dim / 2 values");
   if (c.gemma3) {
@@ -73,18 +74,31 @@ NativeTarget::NativeTarget(const NativeTargetConfig& c, NativeTargetWeights weig
     require(l.attn_norm && l.ffn_norm, "every layer needs its two norms");
   }
   require(w_.final_norm != nullptr, "the final norm is missing");
-  k_cache_.assign(c.layers * c.kv_heads * c.capacity * c.head_dim, 0.f);
+  k_cache_.assign(c.sequences * c.layers * c.kv_heads * c.capacity * c.head_dim, 0.f);
   v_cache_.assign(k_cache_.size(), 0.f);
+  lengths_.assign(c.sequences, 0);
   const int64_t rows = kLinearMaxRows;
+  row_seq_.resize(rows), row_pos_.resize(rows);
   h_.resize(rows * d), xn_.resize(rows * std::max(d, qd)), q_.resize(rows * qd), k_.resize(rows * kvd);
   v_.resize(rows * kvd), att_.resize(rows * qd), proj_.resize(rows * d), gate_.resize(rows * c.ffn);
   up_.resize(rows * c.ffn);
 }
 
-void NativeTarget::rollback(int64_t position) {
-  require(position >= 0 && position <= length_, "rollback to " + std::to_string(position) + " outside [0, " +
-                                                    std::to_string(length_) + "]");
-  length_ = position;
+int64_t NativeTarget::length(int64_t seq) const {
+  require(seq >= 0 && seq < config_.sequences, "sequence " + std::to_string(seq) + " outside [0, " +
+                                                   std::to_string(config_.sequences) + ")");
+  return lengths_[seq];
+}
+
+void NativeTarget::rollback(int64_t position, int64_t seq) {
+  const int64_t held = length(seq);
+  require(position >= 0 && position <= held,
+          "rollback to " + std::to_string(position) + " outside [0, " + std::to_string(held) + "]");
+  lengths_[seq] = position;
+}
+
+int64_t NativeTarget::cache_offset(int64_t seq, int64_t layer) const {
+  return (seq * config_.layers + layer) * config_.kv_heads * config_.capacity * config_.head_dim;
 }
 
 void NativeTarget::normed_products(const float* norm, const QuantMatrix* mats, float* const* outs, int count,
@@ -106,8 +120,8 @@ void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t 
   const QuantMatrix qkv[3] = {w.q, w.k, w.v};
   float* const outs[3] = {q_.data(), k_.data(), v_.data()};
   normed_products(w.attn_norm, qkv, outs, 3, n, num_threads);
-  rope(q_.data(), n, c.heads, hd, length_, w_.inv_freq);
-  rope(k_.data(), n, c.kv_heads, hd, length_, w_.inv_freq);
+  rope(q_.data(), n, c.heads, hd, row_pos_.data(), w_.inv_freq);
+  rope(k_.data(), n, c.kv_heads, hd, row_pos_.data(), w_.inv_freq);
   append_kv(layer, n);
   attend(layer, n, 1.0f / std::sqrt(static_cast<float>(hd)), 0, num_threads);
   project(att_.data(), c.heads * hd, w.o, n, num_threads);
@@ -116,10 +130,10 @@ void NativeTarget::attention_block(const NativeLayer& w, int64_t layer, int64_t 
 
 void NativeTarget::append_kv(int64_t layer, int64_t n) {
   const NativeTargetConfig& c = config_;
-  const int64_t hd = c.head_dim, kvd = c.kv_heads * hd, layer_offset = layer * c.kv_heads * c.capacity * hd;
+  const int64_t hd = c.head_dim, kvd = c.kv_heads * hd;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < c.kv_heads; ++g) {
-      const int64_t slot = layer_offset + (g * c.capacity + length_ + t) * hd;
+      const int64_t slot = cache_offset(row_seq_[t], layer) + (g * c.capacity + row_pos_[t]) * hd;
       std::copy_n(k_.data() + t * kvd + g * hd, hd, k_cache_.data() + slot);
       std::copy_n(v_.data() + t * kvd + g * hd, hd, v_cache_.data() + slot);
     }
@@ -127,31 +141,32 @@ void NativeTarget::append_kv(int64_t layer, int64_t n) {
 
 void NativeTarget::attend(int64_t layer, int64_t n, float scale, int64_t window, int num_threads) {
   const NativeTargetConfig& c = config_;
-  const int64_t hd = c.head_dim, layer_offset = layer * c.kv_heads * c.capacity * hd;
+  const int64_t hd = c.head_dim;
   DecodeAttention a{};
   a.q = q_.data();
   a.q_head_stride = hd;
   a.q_row_stride = c.heads * hd;
-  a.k = k_cache_.data() + layer_offset;
-  a.v = v_cache_.data() + layer_offset;
+  a.k = k_cache_.data() + cache_offset(row_seq_[0], layer);
+  a.v = v_cache_.data() + cache_offset(row_seq_[0], layer);
   a.kv_head_stride = c.capacity * hd;
   a.causal = true;
   a.heads = c.heads;
   a.kv_heads = c.kv_heads;
   a.rows = n;
-  a.keys = length_ + n;
+  a.keys = row_pos_[n - 1] + 1;
   a.head_dim = hd;
   a.scale = scale;
   a.out = att_.data();
-  if (window <= 0) return decode_attention_cpu(a, num_threads);
-  // A row's window starts where the row's position says, so rows run one by one (and a row's
-  // result is the same in a verify as in a one-token forward).
+  if (window <= 0 && one_sequence_) return decode_attention_cpu(a, num_threads);
+  // A row's window starts where the row's position says, and rows of other sequences see other
+  // caches, so rows run one by one (a row's result is the same as in a one-token forward).
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t position = length_ + t, first = std::max<int64_t>(0, position - window + 1);
+    const int64_t position = row_pos_[t], offset = cache_offset(row_seq_[t], layer);
+    const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
     DecodeAttention r = a;
     r.q = q_.data() + t * c.heads * hd;
-    r.k = a.k + first * hd;
-    r.v = a.v + first * hd;
+    r.k = k_cache_.data() + offset + first * hd;
+    r.v = v_cache_.data() + offset + first * hd;
     r.rows = 1;
     r.keys = position + 1 - first;
     r.out = att_.data() + t * c.heads * hd;
@@ -172,14 +187,24 @@ void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
   for (int64_t i = 0; i < n * c.hidden; ++i) h_[i] += proj_[i];
 }
 
-void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* logit_rows, int64_t n_logits,
-                           float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads) {
+void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* seqs, const int64_t* logit_rows,
+                           int64_t n_logits, float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux,
+                           int num_threads) {
   const NativeTargetConfig& c = config_;
   const int64_t d = c.hidden;
   require(n >= 1 && n <= kLinearMaxRows,
           "a forward takes 1.." + std::to_string(kLinearMaxRows) + " tokens, got " + std::to_string(n));
-  require(length_ + n <= c.capacity, "context of " + std::to_string(length_ + n) +
-                                         " tokens is past the KV cache capacity of " + std::to_string(c.capacity));
+  // Each row's sequence and position: its sequence's length plus the rows of it before this one.
+  std::vector<int64_t> added(c.sequences, 0);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t seq = seqs ? seqs[t] : 0;
+    require(seq >= 0 && seq < c.sequences, "sequence " + std::to_string(seq) + " outside [0, " +
+                                               std::to_string(c.sequences) + ")");
+    row_seq_[t] = seq, row_pos_[t] = lengths_[seq] + added[seq]++;
+    require(row_pos_[t] < c.capacity, "context of " + std::to_string(row_pos_[t] + 1) +
+                                          " tokens is past the KV cache capacity of " + std::to_string(c.capacity));
+  }
+  one_sequence_ = std::all_of(row_seq_.begin(), row_seq_.begin() + n, [&](int64_t s) { return s == row_seq_[0]; });
   for (int64_t t = 0; t < n; ++t)
     require(tokens[t] >= 0 && tokens[t] < c.vocab,
             "token " + std::to_string(tokens[t]) + " outside the vocabulary of " + std::to_string(c.vocab));
@@ -208,7 +233,7 @@ void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* logi
     }
   }
   capture(c.layers);
-  length_ += n;
+  for (int64_t seq = 0; seq < c.sequences; ++seq) lengths_[seq] += added[seq];
   if (n_logits == 0) return;
   for (int64_t i = 0; i < n_logits; ++i)
     rms_norm_cpu(h_.data() + logit_rows[i] * d, w_.final_norm, 1, d, c.eps, xn_.data() + i * d);

@@ -3,7 +3,10 @@
 // and a KV cache this object owns. No torch headers.
 //
 // Every step computes a token row in an order that does not depend on the other rows, so a verify
-// forward of k+1 tokens gives exactly the logits of k+1 one-token forwards.
+// forward of k+1 tokens gives exactly the logits of k+1 one-token forwards. The KV cache holds
+// `sequences` independent sequences: one forward may carry rows of several (batched generation,
+// one product over all rows; attention per row over its own sequence), and each row's logits are
+// those of the same row forwarded alone.
 #pragma once
 
 #include <cstdint>
@@ -21,13 +24,14 @@ struct NativeTargetConfig {
   int64_t head_dim;   // even
   int64_t ffn;        // MLP width
   int64_t vocab;
-  int64_t capacity;   // KV cache positions
+  int64_t capacity;   // KV cache positions per sequence
   float eps;          // RMSNorm epsilon
   // Gemma 3 (native_gemma3.cpp): false for a Llama, which ignores the rest.
   bool gemma3 = false;
   float embed_scale = 1.f;     // the embedding row times sqrt(hidden)
   float query_scale = 0.f;     // query_pre_attn_scalar^-1/2 (a Llama: 1 / sqrt(head_dim))
   int64_t sliding_window = 0;  // keys a sliding layer's query sees, its own included
+  int64_t sequences = 1;       // independent sequences the KV cache holds
 };
 
 // Weights as the GGUF file holds them. A Llama's q and k rows are in the file's RoPE layout:
@@ -61,20 +65,21 @@ class NativeTarget {
  public:
   NativeTarget(const NativeTargetConfig& config, NativeTargetWeights weights);
 
-  // Positions held in the KV cache.
-  int64_t length() const { return length_; }
+  // Positions held in the KV cache of sequence `seq`.
+  int64_t length(int64_t seq = 0) const;
   const NativeTargetConfig& config() const { return config_; }
-  // Forgets positions [position, length()) (draft tokens the verify rejected).
-  void rollback(int64_t position);
+  // Forgets positions [position, length(seq)) of sequence `seq` (draft tokens the verify rejected).
+  void rollback(int64_t position, int64_t seq = 0);
 
-  // Appends n (1..kLinearMaxRows) tokens at positions length() .. length() + n - 1.
+  // Appends n (1..kLinearMaxRows) tokens: row t to sequence seqs[t] (seqs null: all to sequence 0)
+  // at that sequence's next position, rows of one sequence in row order.
   //   logits [n_logits, vocab] for the token rows logit_rows[0..n_logits) (after the final norm);
   //   aux    [n, n_aux, d]: hidden state h_l for l = aux_layers[i] (h_0 the embeddings, h_l the
   //          input of block l, h_layers the last block's output before the final norm).
   // Throws std::invalid_argument on a token outside the vocabulary, a row or layer out of range or
   // a context past the capacity (nothing is appended then).
-  void forward(const int64_t* tokens, int64_t n, const int64_t* logit_rows, int64_t n_logits, float* logits,
-               const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads);
+  void forward(const int64_t* tokens, int64_t n, const int64_t* seqs, const int64_t* logit_rows, int64_t n_logits,
+               float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads);
 
  private:
   void attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
@@ -88,16 +93,22 @@ class NativeTarget {
                        int num_threads);
   // x [n, cols] int8-quantized, times m into proj_: the products that close a block.
   void project(const float* x, int64_t cols, const QuantMatrix& m, int64_t n, int num_threads);
-  // k_ and v_ of the n new rows into the cache of `layer`.
+  // k_ and v_ of the n new rows into their sequences' caches of `layer`.
   void append_kv(int64_t layer, int64_t n);
-  // att_ = attention of the n rows of q_ over the cache of `layer` (causal); window > 0: a row at
-  // position p sees keys (p - window, p] only, one row at a time.
+  // att_ = attention of the n rows of q_ over their sequences' caches of `layer` (causal); window > 0:
+  // a row at position p sees keys (p - window, p] only. Rows of one sequence starting at its length
+  // go in one call, other forwards one row at a time (the same result per row).
   void attend(int64_t layer, int64_t n, float scale, int64_t window, int num_threads);
+  // Offset of (sequence, layer) in k_cache_ / v_cache_.
+  int64_t cache_offset(int64_t seq, int64_t layer) const;
 
   NativeTargetConfig config_;
   NativeTargetWeights w_;
-  int64_t length_ = 0;
-  std::vector<float> k_cache_, v_cache_;  // [layers, H_kv, capacity, hd]
+  std::vector<int64_t> lengths_;          // [sequences]
+  std::vector<float> k_cache_, v_cache_;  // [sequences, layers, H_kv, capacity, hd]
+  // The rows of the forward under way: their sequences and positions; whether all are one sequence.
+  std::vector<int64_t> row_seq_, row_pos_;
+  bool one_sequence_ = true;
   // Scratch of one forward, sized for kLinearMaxRows rows.
   std::vector<float> h_, xn_, q_, k_, v_, att_, proj_, gate_, up_;
   QuantInput xq_;

@@ -64,6 +64,7 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
                        dims["vocab"].cast<int64_t>(),    dims["capacity"].cast<int64_t>(),
                        dims["eps"].cast<float>()};
   c.gemma3 = dims.contains("gemma3") && dims["gemma3"].cast<bool>();
+  if (dims.contains("sequences")) c.sequences = dims["sequences"].cast<int64_t>();
   if (c.gemma3) {
     c.embed_scale = dims["embed_scale"].cast<float>();
     c.query_scale = dims["query_scale"].cast<float>();
@@ -101,15 +102,21 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
   return bound;
 }
 
-py::tuple forward(BoundTarget& b, const Ids& tokens, const Ids& logit_rows, const Ids& aux_layers, int num_threads) {
+// seqs: each token row's sequence, or empty for all rows in sequence 0.
+py::tuple forward(BoundTarget& b, const Ids& tokens, const Ids& seqs, const Ids& logit_rows, const Ids& aux_layers,
+                  int num_threads) {
   const NativeTargetConfig& c = b.target->config();
   const int64_t n = tokens.size(), n_logits = logit_rows.size(), n_aux = aux_layers.size();
+  if (seqs.size() != 0 && static_cast<int64_t>(seqs.size()) != n)
+    throw std::invalid_argument("NativeTarget: seqs must name one sequence per token row");
+  const int64_t* sp = seqs.size() ? seqs.data() : nullptr;
   py::array_t<float> logits({n_logits, c.vocab}), aux({n, n_aux, c.hidden});
   float* lp = logits.mutable_data();
   float* ap = aux.mutable_data();
   {
     py::gil_scoped_release release;
-    b.target->forward(tokens.data(), n, logit_rows.data(), n_logits, lp, aux_layers.data(), n_aux, ap, num_threads);
+    b.target->forward(tokens.data(), n, sp, logit_rows.data(), n_logits, lp, aux_layers.data(), n_aux, ap,
+                      num_threads);
   }
   return py::make_tuple(logits, aux);
 }
@@ -156,10 +163,11 @@ void bind_native_target(py::module_& m) {
   py::class_<BoundTarget>(m, "NativeTarget")
       .def(py::init(&make_target), py::arg("dims"), py::arg("embed"), py::arg("head"), py::arg("final_norm"),
            py::arg("inv_freq"), py::arg("layers"), py::arg("inv_freq_local") = py::none())
-      .def("forward", &forward, py::arg("tokens"), py::arg("logit_rows"), py::arg("aux_layers"),
+      .def("forward", &forward, py::arg("tokens"), py::arg("seqs"), py::arg("logit_rows"), py::arg("aux_layers"),
            py::arg("num_threads"))
-      .def("rollback", [](BoundTarget& b, int64_t position) { b.target->rollback(position); })
-      .def_property_readonly("length", [](const BoundTarget& b) { return b.target->length(); });
+      .def("rollback", [](BoundTarget& b, int64_t position, int64_t seq) { b.target->rollback(position, seq); },
+           py::arg("position"), py::arg("seq") = 0)
+      .def("length", [](const BoundTarget& b, int64_t seq) { return b.target->length(seq); }, py::arg("seq") = 0);
   m.def("quant_linear", &quant_linear, py::arg("mats"), py::arg("x"), py::arg("num_threads"));
   m.def("quantize_input", &quantize, py::arg("x"));
 }

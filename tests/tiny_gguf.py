@@ -71,3 +71,26 @@ def write_tiny(path, arch: str = "llama", q_type: str = "Q8_0") -> dict[str, np.
     writer.write_tensors_to_file()
     writer.close()
     return dense
+
+
+def forward_interleaved(model, streams: list[list[int]], schedule: list[list[int]]) -> list[np.ndarray]:
+    """Each stream's logits [len, V] when forwards carry the rows `schedule` names (a sequence per
+    row, its next token), several sequences per forward."""
+    got, at = [[] for _ in streams], [0] * len(streams)
+    for rows in schedule:
+        tokens = []
+        for s in rows:
+            tokens.append(streams[s][at[s]])
+            at[s] += 1
+        logits, _ = model.forward(tokens, sequences=rows)
+        for r, s in enumerate(rows):
+            got[s].append(logits[r])
+    assert at == [len(s) for s in streams]
+    return [np.stack(g) for g in got]
+
+
+def alone(model, stream: list[int]) -> np.ndarray:
+    """`stream`'s logits [len, V] from one-token forwards on an emptied `model`."""
+    model.reset()
+    return np.concatenate([model.forward([t])[0] for t in stream])
+

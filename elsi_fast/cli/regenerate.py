@@ -35,15 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="only the first N prompts")
-    parser.add_argument("--engine", choices=("transformers", "vllm", "llama.cpp"), default="transformers",
+    parser.add_argument("--engine", choices=("transformers", "vllm", "llama.cpp", "native"), default="transformers",
                         help="who generates: transformers' generate (default), vLLM's offline engine (about 2x "
-                        "faster on a CPU with the same greedy answers, from its own environment, --vllm-python) or "
-                        "llama.cpp's llama-server on the target's GGUF file (--llama-server; its quantized weights "
-                        "can answer differently from the dequantized model)")
+                        "faster on a CPU with the same greedy answers, from its own environment, --vllm-python), "
+                        "llama.cpp's llama-server on the target's GGUF file (--llama-server) or elsi-fast's native "
+                        "forward on that file, up to 8 sequences batched per forward (the quantized weights of both "
+                        "can answer differently from the dequantized model); another engine may continue a folder")
     parser.add_argument("--llama-server", default=None, metavar="PATH",
                         help="--engine llama.cpp: the llama-server binary (python -m bench.integration.llamacpp build)")
-    parser.add_argument("--slots", type=positive_int, default=16,
-                        help="--engine llama.cpp: parallel sequences of llama-server (default 16)")
+    parser.add_argument("--slots", type=positive_int, default=None,
+                        help="--engine llama.cpp: parallel sequences of llama-server (default 16); --engine native: "
+                        "sequences batched per forward (1..8, default 8)")
     parser.add_argument("--vllm-python", default=None,
                         help="--engine vllm: the Python of the vLLM environment (default: $ELSI_FAST_VLLM_PYTHON, "
                         "else the interpreter of `vllm` on PATH)")
@@ -89,12 +91,18 @@ def check(args: argparse.Namespace) -> None:
     if args.engine == "llama.cpp":
         if args.llama_server is None or not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
             raise UsageError(f"--llama-server: --engine llama.cpp needs the llama-server binary, got {args.llama_server}")
+    elif args.llama_server is not None:
+        raise UsageError("--llama-server: only with --engine llama.cpp")
+    if args.engine in ("llama.cpp", "native"):
         from ..targets.catalog import is_catalog_name
 
         if not (is_catalog_name(args.target) or str(args.target).endswith(".gguf")):
-            raise UsageError("--engine: llama.cpp serves a GGUF target (a .gguf file or a named real target)")
-    elif args.llama_server is not None:
-        raise UsageError("--llama-server: only with --engine llama.cpp")
+            raise UsageError(f"--engine: {args.engine} runs a GGUF target (a .gguf file or a named real target)")
+        if args.engine == "native" and args.slots is not None and args.slots > 8:
+            raise UsageError(f"--slots: the native forward batches 1..8 sequences, got {args.slots}")
+        args.slots = args.slots or (16 if args.engine == "llama.cpp" else 8)
+    elif args.slots is not None:
+        raise UsageError("--slots: only with --engine llama.cpp or native")
     try:
         args.prompt_list = [prompt for path in args.prompts for prompt in load_prompts(path)][: args.max_prompts]
     except (ValueError, FileNotFoundError) as exc:
@@ -163,14 +171,24 @@ def handler(args: argparse.Namespace) -> int:
     model, tokenizer = load_target(args)
     with contextlib.ExitStack() as stack:
         server = None
-        if args.engine == "llama.cpp":
-            from ..engines.llamacpp_server import LlamaServer
+        if args.engine in ("llama.cpp", "native"):
             from ..targets.catalog import is_catalog_name, resolve
 
             gguf = resolve(args.target, "--target") if is_catalog_name(args.target) else args.target
-            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots,
-                                                     context=args.max_prompt_tokens + args.max_new_tokens,
+            context = args.max_prompt_tokens + args.max_new_tokens
+        if args.engine == "llama.cpp":
+            from ..engines.llamacpp_server import LlamaServer
+
+            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots, context=context,
                                                      threads=args.threads))
+        elif args.engine == "native":
+            from ..decoding.native_batch import NativeBatchGenerator
+            from ..targets.loading import end_of_generation_ids
+            from ..targets.native_forward import NativeForward
+
+            server = NativeBatchGenerator(NativeForward(gguf, capacity=context, num_threads=args.threads,
+                                                        sequences=args.slots),
+                                          end_of_generation=end_of_generation_ids(tokenizer))
         return _generate_all(args, model, tokenizer, server)
 
 

@@ -34,6 +34,8 @@ class LlamaServer:
 
     Use as a context manager; `generate` sends token-id prompts and yields their answers."""
 
+    ENGINE = "llama.cpp"  # the name regenerate.json and self_instruct.json record
+
     def __init__(self, binary: str | os.PathLike, gguf: str | os.PathLike, *, slots: int = 16, context: int = 1024,
                  threads: int = 2, start_timeout: float = 120.0):
         binary, gguf = Path(binary), Path(gguf)

@@ -8,7 +8,9 @@ the cache and returns the logits of the rows asked for and the hidden states h_l
 asked for (h_0 the embeddings, h_l the input of block l; docs/ conventions of DESIGN's layer
 indexing). `rollback(position)` forgets rejected draft tokens. Each token row is computed in an
 order that does not depend on the other rows, so a verify of k+1 tokens gives exactly the logits
-of k+1 one-token forwards.
+of k+1 one-token forwards. With `sequences=S` the cache holds S independent sequences and a
+forward may carry rows of several (`forward(tokens, sequences=...)`): batched generation
+(`decoding.native_batch`), each row's logits those of the same row forwarded alone.
 """
 
 from __future__ import annotations
@@ -36,19 +38,23 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 class NativeForward:
     """A GGUF target's decoder on native kernels with its own KV cache of `capacity` positions."""
 
-    def __init__(self, model: str | Path | GgufTarget, capacity: int = DEFAULT_CAPACITY, num_threads: int = 1) -> None:
+    def __init__(self, model: str | Path | GgufTarget, capacity: int = DEFAULT_CAPACITY, num_threads: int = 1,
+                 sequences: int = 1) -> None:
         if _C is None:
             raise RuntimeError(f"the native forward needs the compiled extension: {IMPORT_ERROR}")
         if capacity < 1:
             raise ValueError(f"capacity: must be positive, got {capacity}")
+        if sequences < 1:
+            raise ValueError(f"sequences: must be positive, got {sequences}")
         if num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {num_threads}")
         self.weights = model if isinstance(model, GgufTarget) else read_gguf_target(model)
         w = self.weights
         self.capacity = capacity
         self.num_threads = num_threads
+        self.sequences = sequences
         dims = dict(layers=w.layers, hidden=w.hidden, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim,
-                    ffn=w.ffn, vocab=w.vocab, capacity=capacity, eps=w.eps)
+                    ffn=w.ffn, vocab=w.vocab, capacity=capacity, eps=w.eps, sequences=sequences)
         layers = [{k: (v.as_native() if hasattr(v, "as_native") else v) for k, v in b.items()} for b in w.blocks]
         inv_freq, inv_freq_local = rope_inv_freq(w.head_dim, w.rope_theta), None
         if w.gemma3 is not None:
@@ -64,36 +70,54 @@ class NativeForward:
 
     @property
     def length(self) -> int:
-        """Positions held in the KV cache."""
-        return self._native.length
+        """Positions held in the KV cache (of sequence 0)."""
+        return self._native.length(0)
+
+    def length_of(self, sequence: int) -> int:
+        """Positions held in the KV cache of `sequence`."""
+        self._check_sequence(sequence)
+        return self._native.length(sequence)
 
     def kv_cache_bytes(self) -> int:
         w = self.weights
-        return 2 * 4 * w.layers * w.kv_heads * self.capacity * w.head_dim
+        return 2 * 4 * w.layers * w.kv_heads * self.capacity * w.head_dim * self.sequences
 
-    def rollback(self, position: int) -> None:
-        """Keeps positions [0, position) of the KV cache."""
-        if not 0 <= position <= self.length:
-            raise ValueError(f"position: {position} is outside [0, {self.length}]")
-        self._native.rollback(position)
+    def rollback(self, position: int, sequence: int = 0) -> None:
+        """Keeps positions [0, position) of the KV cache of `sequence`."""
+        held = self.length_of(sequence)
+        if not 0 <= position <= held:
+            raise ValueError(f"position: {position} is outside [0, {held}]")
+        self._native.rollback(position, sequence)
 
     def reset(self) -> None:
-        self._native.rollback(0)
+        for sequence in range(self.sequences):
+            self._native.rollback(0, sequence)
+
+    def _check_sequence(self, sequence: int) -> None:
+        if not 0 <= sequence < self.sequences:
+            raise ValueError(f"sequence: {sequence} is outside [0, {self.sequences})")
 
     def forward(
         self, tokens: Sequence[int] | np.ndarray, logit_rows: Sequence[int] | None = None,
-        aux_layers: Sequence[int] = (),
+        aux_layers: Sequence[int] = (), sequences: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Appends tokens [n] (1..MAX_ROWS) and returns (logits [len(logit_rows), vocab] fp32 for the rows
-        asked for (default: every row), aux [n, len(aux_layers), hidden] fp32)."""
+        """Appends tokens [n] (1..MAX_ROWS), token t to sequence sequences[t] (default: all to sequence
+        0) after that sequence's held positions, and returns (logits [len(logit_rows), vocab] fp32
+        for the rows asked for (default: every row), aux [n, len(aux_layers), hidden] fp32)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         n = tokens.shape[0]
         if not 1 <= n <= MAX_ROWS:
             raise ValueError(f"tokens: a forward takes 1..{MAX_ROWS} tokens, got {n}")
-        if self.length + n > self.capacity:
-            raise ValueError(
-                f"tokens: a context of {self.length + n} tokens is past the KV cache capacity of {self.capacity}"
-            )
+        seqs = np.zeros(0, dtype=np.int64) if sequences is None else \
+            np.ascontiguousarray(sequences, dtype=np.int64).reshape(-1)
+        if sequences is not None and seqs.shape[0] != n:
+            raise ValueError(f"sequences: expected one sequence per token ({n}), got {seqs.shape[0]}")
+        for sequence in np.unique(seqs) if seqs.size else (0,):
+            self._check_sequence(int(sequence))
+            context = self._native.length(int(sequence)) + (int((seqs == sequence).sum()) if seqs.size else n)
+            if context > self.capacity:
+                raise ValueError(f"tokens: a context of {context} tokens is past the KV cache capacity of "
+                                 f"{self.capacity}")
         bad = tokens[(tokens < 0) | (tokens >= self.weights.vocab)]
         if bad.size:
             raise ValueError(f"tokens: id {int(bad[0])} is outside the vocabulary of {self.weights.vocab}")
@@ -101,10 +125,11 @@ class NativeForward:
         layers = np.asarray(aux_layers, dtype=np.int64)
         if layers.size and (layers.min() < 0 or layers.max() > self.weights.layers):
             raise ValueError(f"aux_layers: ids must lie in [0, {self.weights.layers}], got {list(aux_layers)}")
-        return self._native.forward(tokens, rows, layers, self.num_threads)
+        return self._native.forward(tokens, seqs, rows, layers, self.num_threads)
 
-    def prefill(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Appends any number of tokens in forwards of MAX_ROWS; returns the last token's logits [vocab]."""
+    def prefill(self, tokens: Sequence[int] | np.ndarray, sequence: int = 0) -> np.ndarray:
+        """Appends any number of tokens to `sequence` in forwards of MAX_ROWS; returns the last token's
+        logits [vocab]."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("tokens: the prompt is empty")
@@ -112,7 +137,7 @@ class NativeForward:
         for start in range(0, tokens.size, MAX_ROWS):
             chunk = tokens[start:start + MAX_ROWS]
             last = start + chunk.size == tokens.size
-            logits, _ = self.forward(chunk, [chunk.size - 1] if last else [])
+            logits, _ = self.forward(chunk, [chunk.size - 1] if last else [], sequences=[sequence] * chunk.size)
         return logits[0]
 
     def greedy(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()) -> list[int]:

@@ -16,7 +16,9 @@ target; a rerun with the same folder continues with the prompts not yet answered
 are written; Ctrl-C finishes the batch under way first) and refuses other settings. The prompt
 set may grow between runs (`--self-instruct` adds instructions), but an answered prompt must read
 the same. The target is identified by its config, tokenizer and greedy choices on a fixed probe,
-not by its weights' bytes, so a folder or an export continues on another machine.
+not by its weights' bytes, so a folder or an export continues on another machine. Another engine
+may continue a folder (llama.cpp's server, then the native batched forward): regenerate.json keeps
+the folder's first engine, and a record another engine wrote names it (`"engine"`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from ..analysis.prompts import Prompt, encode_prompt
 from ..targets.loading import stop_token_ids as _stop_ids
 
 CONVERSATIONS_FILE = "conversations.jsonl"
-ENGINES = ("transformers", "vllm", "llama.cpp")
+ENGINES = ("transformers", "vllm", "llama.cpp", "native")
+# Engines that answer through a `server` object's `generate` (LlamaServer, NativeBatchGenerator).
+SERVER_ENGINES = ("llama.cpp", "native")
 SETTINGS_FILE = "regenerate.json"
 
 
@@ -80,9 +84,10 @@ def same_target(a: dict[str, Any], b: dict[str, Any]) -> bool:
         if mx >= _PROBE_MARGIN and my >= _PROBE_MARGIN)
 
 
-def same_settings(a: dict[str, Any], b: dict[str, Any], *, prompts: bool = True) -> bool:
-    """Whether two regenerate.json records agree (`prompts=False`: but for the prompts' hash)."""
-    skip = ("target",) if prompts else ("target", "prompts")
+def same_settings(a: dict[str, Any], b: dict[str, Any], *, prompts: bool = True, engine: bool = True) -> bool:
+    """Whether two regenerate.json records agree (`prompts=False`: but for the prompts' hash;
+    `engine=False`: whoever generates)."""
+    skip = ("target",) + (() if prompts else ("prompts",)) + (() if engine else ("engine",))
     strip = lambda r: {k: v for k, v in r.items() if k not in skip}  # noqa: E731
     return strip(a) == strip(b) and same_target(a.get("target", {}), b.get("target", {}))
 
@@ -125,9 +130,9 @@ def regenerate(
     (docs/performance.md). Sampled answers are seeded per prompt there (seed + the prompt's index)."""
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
-    if (engine == "llama.cpp") != (server is not None):
-        raise ValueError("server: engine 'llama.cpp' generates with a LlamaServer on the target's GGUF file, "
-                         "and only it takes one")
+    if (engine in SERVER_ENGINES) != (server is not None):
+        raise ValueError("server: engines 'llama.cpp' and 'native' generate with a server on the target's GGUF "
+                         "file (LlamaServer, NativeBatchGenerator), and only they take one")
     for name, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens),
                         ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,12 +157,16 @@ def regenerate(
     kept = read_conversations(conversations) if conversations.is_file() else []
     # The prompt set may grow between runs (self-instruct adds instructions): the settings must be
     # the same but for the prompts' hash, and every answered prompt must still read the same.
+    folder_engine = engine
     if settings_path.is_file():
         before = json.loads(settings_path.read_text())
         texts = {i: p.text for i, p in zip(ids, prompts)}
-        if not same_settings(before, settings, prompts=False) or any(r["id"] in texts and r["prompt"] != texts[r["id"]] for r in kept):
+        if not same_settings(before, settings, prompts=False, engine=False) or \
+                any(r["id"] in texts and r["prompt"] != texts[r["id"]] for r in kept):
             raise ValueError(f"out: {out} holds conversations regenerated with other settings, prompts or target; "
                              "use another folder")
+        folder_engine = before.get("engine", "transformers")
+        settings = {**{k: v for k, v in settings.items() if k != "engine"}, **_engine_field(folder_engine)}
     settings_path.write_text(json.dumps(settings, indent=1))
     done = {r["id"] for r in kept}
     if conversations.is_file():  # rewrite without a cut last line
@@ -175,11 +184,13 @@ def regenerate(
     generated, answered, started = 0, 0, time.perf_counter()
     target.eval()
 
+    other_engine = engine if engine != folder_engine else None
+
     def write(sink, i: int, response: list[int]) -> None:
-        sink.write(json.dumps(_record(ids[i], prompts[i], encoded[i], response, stop, tokenizer)) + "\n")
+        sink.write(json.dumps(_record(ids[i], prompts[i], encoded[i], response, stop, tokenizer, other_engine)) + "\n")
 
     with DeferredInterrupt("the conversations") as interrupt, open(conversations, "a") as sink:
-        if engine in ("vllm", "llama.cpp"):
+        if engine in ("vllm",) + SERVER_ENGINES:
             # Both seed sampled answers per prompt (seed + its index) and batch on their own.
             if engine == "vllm":
                 stream = _vllm_answers(target, vllm_python, encoded, order, max_new_tokens, batch_size, temperature,
@@ -256,22 +267,29 @@ def _settings(target, tokenizer, prompts: Sequence[Prompt], ids: list[str], max_
     prompts are batched, so a rerun may batch differently; sampled ones do with transformers (the
     seeds go by batch), not with vLLM (seeded per prompt). The engine is named only when it is
     not transformers, so folders written before there was a choice stay valid."""
-    engine_field = {"engine": engine} if engine != "transformers" else {}
-    return {**engine_field, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+    return {**_engine_field(engine), "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
             "batch_size": batch_size if temperature > 0 and engine == "transformers" else None,
             "temperature": float(temperature), "seed": seed, "target": _target_identity(target, tokenizer),
             "prompts": hashlib.sha256(json.dumps([[i, p.text] for i, p in zip(ids, prompts)]).encode()).hexdigest()}
 
 
+def _engine_field(engine: str) -> dict[str, str]:
+    """regenerate.json's engine entry: none for transformers (folders from before there was a choice)."""
+    return {"engine": engine} if engine != "transformers" else {}
+
+
 def _record(prompt_id: str, prompt: Prompt, encoded: list[int], response: list[int], stop: list[int],
-            tokenizer) -> dict[str, Any]:
+            tokenizer, engine: str | None = None) -> dict[str, Any]:
+    """One conversation line; `engine` names who answered where it is not the folder's engine."""
     ended = bool(response) and response[-1] in stop
     return {"id": prompt_id, "category": prompt.category, "prompt": prompt.text,
             "response": tokenizer.decode(response[:-1] if ended else response),
-            "prompt_ids": encoded, "response_ids": response, "stop": "eos" if ended else "length"}
+            "prompt_ids": encoded, "response_ids": response, "stop": "eos" if ended else "length",
+            **({"engine": engine} if engine else {})}
 
 
 ANSWER_FIELDS = ("id", "response_ids", "stop")
+OPTIONAL_ANSWER_FIELDS = ("engine",)
 
 
 def export_answers(out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -280,7 +298,8 @@ def export_answers(out_dir: str | os.PathLike) -> dict[str, Any]:
     where the prompts themselves are not copied (`restore_answers` rebuilds the folder)."""
     out = Path(out_dir)
     return {"settings": json.loads((out / SETTINGS_FILE).read_text()),
-            "answers": [{field: r[field] for field in ANSWER_FIELDS} for r in read_conversations(out / CONVERSATIONS_FILE)]}
+            "answers": [{field: r[field] for field in ANSWER_FIELDS + OPTIONAL_ANSWER_FIELDS if field in r}
+                        for r in read_conversations(out / CONVERSATIONS_FILE)]}
 
 
 def restore_answers(target, tokenizer, prompts: Sequence[Prompt], out_dir: str | os.PathLike, exported: dict[str, Any],
@@ -313,7 +332,7 @@ def restore_answers(target, tokenizer, prompts: Sequence[Prompt], out_dir: str |
         raise ValueError(f"out_dir: {out} already holds conversations; restore into an empty folder")
     out.mkdir(parents=True, exist_ok=True)
     stop = _stop_ids(target, tokenizer)
-    records = [_record(a["id"], *by_id[a["id"]], list(a["response_ids"]), stop, tokenizer)
+    records = [_record(a["id"], *by_id[a["id"]], list(a["response_ids"]), stop, tokenizer, a.get("engine"))
                for a in exported["answers"] if a["id"] in by_id]
     (out / CONVERSATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))

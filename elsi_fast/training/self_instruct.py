@@ -173,8 +173,9 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
     """Sample user turns until `n` survive the filter (see the module docstring), or `max_batches`
     batches have been sampled in all; writes `out_dir/instructions.jsonl` and returns a summary:
     sampled, kept, dropped by reason, this run's new tokens and their rate. With `server` (an
-    `elsi_fast.engines.llamacpp_server.LlamaServer` on the target's GGUF file) llama.cpp samples them,
-    each turn seeded by its position; else transformers, each batch seeded."""
+    `elsi_fast.engines.llamacpp_server.LlamaServer` or a `decoding.native_batch.NativeBatchGenerator` on
+    the target's GGUF file) that engine samples them, each turn seeded by its position; else
+    transformers, each batch seeded."""
     from .regenerate import _generate
 
     for name, value in (("n", n), ("max_instruction_tokens", max_instruction_tokens), ("batch_size", batch_size)):
@@ -187,7 +188,7 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
     out.mkdir(parents=True, exist_ok=True)
     settings = {"prefix": prefix, "ends": ends, "temperature": float(temperature), "seed": seed,
                 "max_instruction_tokens": max_instruction_tokens, "batch_size": batch_size,
-                "engine": "llama.cpp" if server is not None else "transformers"}
+                "engine": server.ENGINE if server is not None else "transformers"}
     settings_path = out / "self_instruct.json"
     if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
         raise ValueError(f"out: {out} holds instructions sampled with other settings or another chat template")

@@ -91,7 +91,7 @@ def test_regenerate_and_self_instruct_write_the_servers_answers(fake, tmp_path):
 
     script, gguf = fake
     prompts = [Prompt(text=TEXTS[i][:25], id=f"p{i}", chat=True) for i in range(4)]
-    with pytest.raises(ValueError, match="server: engine 'llama.cpp'"):
+    with pytest.raises(ValueError, match="server: engines .llama.cpp. and .native."):
         regen.regenerate(TARGET, TOKENIZER, prompts, tmp_path / "x", engine="llama.cpp")
     with LlamaServer(script, gguf, slots=2, context=64, threads=1) as server:
         regen.regenerate(TARGET, TOKENIZER, prompts[:2], tmp_path / "a", max_new_tokens=3, engine="llama.cpp",

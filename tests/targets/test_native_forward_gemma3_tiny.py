@@ -11,6 +11,7 @@ import torch
 
 from elsi_fast._infra._extension import _C
 from elsi_fast.targets.native_forward import NativeForward
+from tiny_gguf import alone, forward_interleaved  # tests/ is on sys.path
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
@@ -133,3 +134,13 @@ def test_verify_rows_equal_one_token_forwards_across_the_window(tmp_path):
     model.rollback(2)
     for t, token in enumerate(TOKENS[2:9]):
         np.testing.assert_array_equal(model.forward([token])[0][0], verify[t])
+
+
+def test_rows_of_several_sequences_equal_each_sequence_alone_across_the_window(tmp_path):
+    write_tiny_gemma3(tmp_path / "tiny.gguf")
+    streams = [TOKENS, TOKENS[::-1][:7], TOKENS[3:8]]
+    schedule = [[0, 1, 2, 0], [0, 0, 1, 1, 1], [2, 2, 0, 0], [0, 0, 1, 2, 2, 1], [0, 0, 0, 1]]
+    one = NativeForward(tmp_path / "tiny.gguf", capacity=16)
+    model = NativeForward(tmp_path / "tiny.gguf", capacity=16, sequences=3)
+    for got, stream in zip(forward_interleaved(model, streams, schedule), streams):
+        np.testing.assert_array_equal(got, alone(one, stream))

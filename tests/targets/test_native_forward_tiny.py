@@ -13,7 +13,8 @@ from elsi_fast.targets.gguf_requantize import requantize_gguf
 from elsi_fast.targets.gguf_weights import read_gguf_target
 from elsi_fast.targets.native_forward import NativeForward, rope_inv_freq
 from tiny_gguf import (  # tests/ is on sys.path
-    EPS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, THETA, permute_rows, unpermute_rows, write_tiny,
+    EPS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, THETA, alone, forward_interleaved, permute_rows, unpermute_rows,
+    write_tiny,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -112,3 +113,29 @@ def test_requantized_file_holds_the_rounded_weights(tmp_path):
     step = np.abs(old).reshape(old.shape[0], -1, 32).max(-1, keepdims=True) / 127
     assert np.all(np.abs(back - old).reshape(old.shape[0], -1, 32) <= step * 0.51 + 1e-7)
     np.testing.assert_array_equal(model.final_norm, dense["output_norm.weight"].astype(np.float32))
+
+
+def test_rows_of_several_sequences_equal_each_sequence_alone(tmp_path):
+    """Batched generation: rows of three sequences in one forward each get the logits of their own
+    sequence forwarded alone, one token at a time, whatever else shares the forward."""
+    write_tiny(tmp_path / "tiny.gguf", q_type="Q4_1")
+    streams = [[3, 17, 69, 0, 42, 8], [5, 61, 30, 8, 2, 9, 11], [23, 23, 7]]
+    schedule = [[0, 1, 1, 2], [0, 0, 0], [1, 2, 2], [0, 1, 1, 1], [0, 1]]
+    one = NativeForward(tmp_path / "tiny.gguf", capacity=8)
+    model = NativeForward(tmp_path / "tiny.gguf", capacity=8, sequences=3)
+    for got, stream in zip(forward_interleaved(model, streams, schedule), streams):
+        np.testing.assert_array_equal(got, alone(one, stream))
+    assert [model.length_of(s) for s in range(3)] == [6, 7, 3] and model.length == 6
+    model.rollback(2, sequence=1)  # the others keep theirs
+    assert [model.length_of(s) for s in range(3)] == [6, 2, 3]
+    np.testing.assert_array_equal(model.forward([30], sequences=[1])[0][0], alone(one, streams[1][:3])[2])
+    assert model.kv_cache_bytes() == 3 * one.kv_cache_bytes()
+    with pytest.raises(ValueError, match=r"sequence: 3 is outside \[0, 3\)"):
+        model.forward([1], sequences=[3])
+    with pytest.raises(ValueError, match=r"sequences: expected one sequence per token \(2\), got 1"):
+        model.forward([1, 2], sequences=[0])
+    with pytest.raises(ValueError, match="past the KV cache capacity of 8"):
+        model.forward([1, 2, 3, 4, 5, 6], sequences=[2] * 6)  # 3 held + 6 > 8, though sequence 1 has room
+    assert model.length_of(2) == 3
+    with pytest.raises(ValueError, match="sequences: must be positive"):
+        NativeForward(tmp_path / "tiny.gguf", sequences=0)

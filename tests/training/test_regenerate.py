@@ -197,8 +197,10 @@ def test_vllm_engine_writes_the_same_records_and_resumes(tmp_path, stand_in_vllm
     again = regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6, batch_size=2,
                              progress=False, engine="vllm", vllm_python=python)
     assert again["answered_now"] == len(PROMPTS) - 4 and by_id(tmp_path / "vllm") == reference
-    with pytest.raises(ValueError, match="other settings"):  # a folder is tied to its engine
-        regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6, progress=False)
+    # another engine may continue the folder (nothing is left here), which keeps its first engine
+    assert regen.regenerate(target, TOKENIZER, PROMPTS, tmp_path / "vllm", max_new_tokens=6,
+                            progress=False)["answered_now"] == 0
+    assert json.loads((tmp_path / "vllm" / regen.SETTINGS_FILE).read_text())["engine"] == "vllm"
 
 
 def test_vllm_engine_needs_the_target_folder_and_an_environment(tmp_path, monkeypatch):
@@ -249,3 +251,37 @@ def test_a_legacy_export_restores_only_onto_the_target_whose_greedy_answers_it_h
     exported["settings"]["target"]["tokenizer"] = "another"
     with pytest.raises(ValueError, match="exported: .*other settings"):
         regen.restore_answers(TARGET, TOKENIZER, PROMPTS, tmp_path / "d", exported, max_new_tokens=6)
+
+
+class CountingServer:
+    """A stand-in engine: answers each prompt with its last id + 1, + 2, ... (`generate` as
+    LlamaServer's)."""
+
+    def __init__(self, engine: str):
+        self.ENGINE = engine
+
+    def generate(self, prompts, max_new_tokens, temperature, seeds, stop):
+        for j, prompt in enumerate(prompts):
+            yield j, [prompt[-1] + 1 + k for k in range(max_new_tokens)]
+
+
+def test_another_engine_continues_a_folder_and_its_records_name_it(tmp_path):
+    """llama.cpp's server starts a folder, the native forward continues it: regenerate.json keeps the
+    first engine, the continuation's records name theirs, and an export restores both."""
+    prompts = [Prompt(text=TEXTS[i][:25], id=f"p{i}", chat=True) for i in range(4)]
+    regen.regenerate(TARGET, TOKENIZER, prompts[:2], tmp_path / "a", max_new_tokens=3, engine="llama.cpp",
+                     server=CountingServer("llama.cpp"), progress=False)
+    regen.regenerate(TARGET, TOKENIZER, prompts, tmp_path / "a", max_new_tokens=3, engine="native",
+                     server=CountingServer("native"), progress=False)
+    assert json.loads((tmp_path / "a" / regen.SETTINGS_FILE).read_text())["engine"] == "llama.cpp"
+    records = regen.read_conversations(tmp_path / "a" / regen.CONVERSATIONS_FILE)
+    assert {r["id"]: r.get("engine") for r in records} == {"p0": None, "p1": None, "p2": "native", "p3": "native"}
+    with pytest.raises(ValueError, match="other settings, prompts or target"):  # an engine is no licence for other settings
+        regen.regenerate(TARGET, TOKENIZER, prompts, tmp_path / "a", max_new_tokens=4, engine="native",
+                         server=CountingServer("native"), progress=False)
+    exported = regen.export_answers(tmp_path / "a")
+    assert [a.get("engine") for a in exported["answers"]] == [None, None, "native", "native"]
+    regen.restore_answers(TARGET, TOKENIZER, prompts, tmp_path / "b", exported, max_new_tokens=3, engine="llama.cpp")
+    assert regen.read_conversations(tmp_path / "b" / regen.CONVERSATIONS_FILE) == records
+    with pytest.raises(ValueError, match="server: engines 'llama.cpp' and 'native'"):
+        regen.regenerate(TARGET, TOKENIZER, prompts, tmp_path / "c", engine="native")
