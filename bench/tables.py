@@ -381,6 +381,21 @@ def native_target_gemma3(results: Results) -> list[str]:
                      "tau"], body)
 
 
+REGENERATE = Source("regenerate_engines_cpu.jsonl", "regenerate_greedy")
+
+
+def regenerate_engines(results: Results) -> list[str]:
+    """Reads new_tokens_per_s/native (baseline: llama-server's on the same prompts) per target at 1 thread."""
+    body = []
+    for model in ("smollm2-135m-instruct", "gemma3-270m"):
+        row = REGENERATE.pick(results, "new_tokens_per_s/native", model=model, threads=1)
+        p = row["params"]
+        body.append([model, p["file"], str(p["prompts"]), f"{row['baseline']:.1f}", f"{row['value']:.1f}",
+                     x(row["ratio"]), p["answers_equal"]])
+    return markdown(["target", "file", "prompts", "llama-server, 16 slots (new tokens/s)",
+                     "native, 8 sequences per forward", "ratio", "answers equal"], body)
+
+
 CEILING = Source("draft_ceiling_cpu.jsonl", "draft_ceiling", {"model": "smollm2-135m-instruct", "set": "eagle3-m3"})
 CEILING_CATEGORIES = ("story", "rewrite", "math", "code", "qa", "translation", "summarization", "dialogue")
 
