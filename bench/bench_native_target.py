@@ -14,7 +14,7 @@ Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantiz
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
 verify cost: a 5-token forward (k = 4 drafted tokens) against a 1-token forward at --context
-positions, each rolled back; the samples keep every T = 1..5 with all rows' logits and with none
+positions, each rolled back; the samples keep T = 1..5 and 8 with all rows' logits and with none
 (`forward_ms`: "all" and "body", the head's share being the difference).
   -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
      greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
@@ -108,13 +108,14 @@ def native_greedy(model: NativeForward, tokens: int) -> float:
 
 
 def native_forward_costs(model: NativeForward, context: int, reps: int) -> dict[str, dict[int, float]]:
-    """Median ms of a T-token forward at `context` positions for T = 1..5: "all" with every row's
-    logits (a verify), "body" with none (the blocks alone; the difference is the head's rows)."""
+    """Median ms of a T-token forward at `context` positions for T = 1..5 and 8 (MAX_ROWS: a batched
+    generation step): "all" with every row's logits (a verify), "body" with none (the blocks alone;
+    the difference is the head's rows)."""
     model.reset()
     model.prefill(np.arange(context) % 1000 + 100)
     times: dict[str, dict[int, list[float]]] = {"all": {}, "body": {}}
     for _ in range(reps):
-        for t in range(1, 6):
+        for t in (1, 2, 3, 4, 5, 8):
             for part, rows in (("all", None), ("body", [])):
                 start = time.perf_counter()
                 model.forward(np.arange(t) + 200, rows)
