@@ -49,6 +49,19 @@ def python_ctrl_c_handler():
     signal.signal(signal.SIGINT, previous)
 
 
+def assert_usage_errors(base: list[str], cases: list[tuple[list[str], str]], capsys, unwritten) -> None:
+    """Each `base + extra` exits with code 2 and one stderr line holding its message; `unwritten`
+    (the output folder) is never created."""
+    from elsi_fast.cli import main
+
+    capsys.readouterr()
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not unwritten.exists()
+
+
 def catalog_file(name: str):
     """The GGUF file of a named real target (elsi_fast.targets.catalog); the test is skipped when its
     package is not installed."""

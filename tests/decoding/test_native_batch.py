@@ -11,7 +11,8 @@ import pytest
 from elsi_fast._infra._extension import _C
 from elsi_fast.decoding.native_batch import NativeBatchGenerator
 from elsi_fast.targets.native_forward import NativeForward
-from tiny_gguf import write_tiny  # tests/ is on sys.path
+from conftest import assert_usage_errors  # tests/ is on sys.path
+from tiny_gguf import write_tiny
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
@@ -129,7 +130,6 @@ def test_regenerate_and_self_instruct_with_the_native_engine_on_smollm2(smollm2,
 def test_cli_checks_the_native_engines_arguments_before_loading(tmp_path, capsys):
     import json
 
-    from elsi_fast.cli import main
     from tiny_lm import TARGET, TOKENIZER
 
     TARGET.save_pretrained(tmp_path / "hf")
@@ -143,9 +143,4 @@ def test_cli_checks_the_native_engines_arguments_before_loading(tmp_path, capsys
          "--slots: the native forward batches 1..8 sequences, got 9"),
         (["--target", "smollm2-135m-instruct", "--slots", "4"], "--slots: only with --engine llama.cpp or native"),
     ]
-    capsys.readouterr()
-    for extra, message in cases:
-        assert main(base + extra) == 2, extra
-        err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
+    assert_usage_errors(base, cases, capsys, tmp_path / "out")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from elsi_fast.training import corpus_tasks as ct
+from conftest import assert_usage_errors  # tests/ is on sys.path
 
 
 def words(n: int, stem: str) -> str:
@@ -92,7 +93,6 @@ def test_bad_input_is_one_clear_error(tmp_path):
 
 
 def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
-    from elsi_fast.cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["hello there"]}) + "\n")
@@ -109,12 +109,7 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
         (["--corpus-tasks", "5", "--corpus", str(corpus)], "--eval-prompts: --corpus-tasks needs"),
         (["--corpus-tasks", "5", "--corpus", str(corpus), str(short)], f"--corpus: no paragraph of 60-200 words in {short}"),
     ]
-    capsys.readouterr()
-    for extra, message in cases:
-        assert main(base + extra) == 2, extra
-        err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
+    assert_usage_errors(base, cases, capsys, tmp_path / "out")
 
 
 def test_cli_answers_the_corpus_tasks_after_the_prompts_and_resumes(tmp_path, corpus, capsys):

@@ -13,6 +13,7 @@ import pytest
 from elsi_fast.analysis.prompts import Prompt, load_prompts
 from elsi_fast.training import regenerate as regen
 from elsi_fast.training import self_instruct as si
+from conftest import assert_usage_errors  # tests/ is on sys.path
 from tiny_lm import TARGET, TEXTS, TOKENIZER
 
 CHAT = copy.deepcopy(TOKENIZER)
@@ -113,7 +114,6 @@ def test_regenerate_continues_when_the_prompt_set_grows_and_refuses_a_changed_pr
 
 
 def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_path, capsys):
-    from elsi_fast.cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["hello there"]}) + "\n")
@@ -123,7 +123,6 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
     TARGET.save_pretrained(target)
     CHAT.save_pretrained(target)
     base[2] = str(target)
-    capsys.readouterr()
     cases = [
         (["--self-instruct", "10"], "--eval-prompts: --self-instruct needs"),
         (["--eval-prompts", str(prompts)], "--eval-prompts: only with --self-instruct or --corpus-tasks"),
@@ -132,11 +131,7 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
          "--instruction-temperature: must be a number > 0"),
         (["--self-instruct", "0", "--eval-prompts", str(prompts)], "--self-instruct"),
     ]
-    for extra, message in cases:
-        assert main(base + extra) == 2, extra
-        err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
+    assert_usage_errors(base, cases, capsys, tmp_path / "out")
 
 
 def test_cli_restore_rebuilds_the_folder_and_continues(tmp_path, capsys):
