@@ -93,7 +93,6 @@ def test_bad_input_is_one_clear_error(tmp_path):
 
 
 def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["hello there"]}) + "\n")
     corpus = tmp_path / "c.txt"

@@ -114,7 +114,6 @@ def test_regenerate_continues_when_the_prompt_set_grows_and_refuses_a_changed_pr
 
 
 def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_path, capsys):
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": ["hello there"]}) + "\n")
     base = ["regenerate", "--target", "TARGET", "--prompts", str(prompts),
