@@ -452,9 +452,10 @@ TABLES: tuple[Table, ...] = (
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each kept step of the SmolLM2 ELSI m=1 cell",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
-                         "elsi-m1-seed0-steps480+400+400")),
+                         "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500")),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300")),
+          "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
+                                                    "elsi-m1-seed0-steps500+300+300-v8192")),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
@@ -462,6 +463,8 @@ TABLES: tuple[Table, ...] = (
     Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of the Gemma 3 Q4_K_M file at 1 and 2 threads",
           native_target_gemma3),
+    Table("regenerate-engines", "docs/native-target.md", "regenerate_engines_cpu.jsonl: regenerate_greedy, "
+          "new_tokens_per_s/native of each target at 1 thread", regenerate_engines),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
           "48-conversation EAGLE3-default draft under each evaluation rule", ceiling),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",
