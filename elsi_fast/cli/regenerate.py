@@ -176,19 +176,19 @@ def handler(args: argparse.Namespace) -> int:
 
             gguf = resolve(args.target, "--target") if is_catalog_name(args.target) else args.target
             context = args.max_prompt_tokens + args.max_new_tokens
-        if args.engine == "llama.cpp":
-            from ..engines.llamacpp_server import LlamaServer
+            if args.engine == "llama.cpp":
+                from ..engines.llamacpp_server import LlamaServer
 
-            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots, context=context,
-                                                     threads=args.threads))
-        elif args.engine == "native":
-            from ..decoding.native_batch import NativeBatchGenerator
-            from ..targets.loading import end_of_generation_ids
-            from ..targets.native_forward import NativeForward
+                server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.slots, context=context,
+                                                         threads=args.threads))
+            else:
+                from ..decoding.native_batch import NativeBatchGenerator
+                from ..targets.loading import end_of_generation_ids
+                from ..targets.native_forward import NativeForward
 
-            server = NativeBatchGenerator(NativeForward(gguf, capacity=context, num_threads=args.threads,
-                                                        sequences=args.slots),
-                                          end_of_generation=end_of_generation_ids(tokenizer))
+                server = NativeBatchGenerator(NativeForward(gguf, capacity=context, num_threads=args.threads,
+                                                            sequences=args.slots),
+                                              end_of_generation=end_of_generation_ids(tokenizer))
         return _generate_all(args, model, tokenizer, server)
 
 

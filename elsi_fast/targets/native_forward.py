@@ -108,13 +108,13 @@ class NativeForward:
         n = tokens.shape[0]
         if not 1 <= n <= MAX_ROWS:
             raise ValueError(f"tokens: a forward takes 1..{MAX_ROWS} tokens, got {n}")
-        seqs = np.zeros(0, dtype=np.int64) if sequences is None else \
+        seqs = np.zeros(n, dtype=np.int64) if sequences is None else \
             np.ascontiguousarray(sequences, dtype=np.int64).reshape(-1)
-        if sequences is not None and seqs.shape[0] != n:
+        if seqs.shape[0] != n:
             raise ValueError(f"sequences: expected one sequence per token ({n}), got {seqs.shape[0]}")
-        for sequence in np.unique(seqs) if seqs.size else (0,):
+        for sequence, count in zip(*np.unique(seqs, return_counts=True)):
             self._check_sequence(int(sequence))
-            context = self._native.length(int(sequence)) + (int((seqs == sequence).sum()) if seqs.size else n)
+            context = self._native.length(int(sequence)) + int(count)
             if context > self.capacity:
                 raise ValueError(f"tokens: a context of {context} tokens is past the KV cache capacity of "
                                  f"{self.capacity}")
