@@ -9,6 +9,10 @@ on, they measure tau on unseen instructions of the training distribution; 200 of
 measure it held-in. The third set is the 480 Spec-Bench prompts with the target's greedy 128-token
 continuations, restored from the draft experiment's kept answers (the same continuations
 `eval-draft --max-new-tokens 128` generates, so the replayed tau is the live one; docs/method.md).
+"held-out-128" is the held-out set cut to its answers' first 128 tokens, Spec-Bench's length: tau
+grows along an answer, so it separates the prompts' share of the Spec-Bench gap from the length's.
+`--conversations N` trains on the first N training conversations only (a cell whose layers cost a
+new feature cache, e.g. the m=3 sets, on a budget).
 
 Stages, each resumable:
 - cache: one bfloat16 feature cache of the training conversations for the layer set, and one per
@@ -34,6 +38,8 @@ RESULTS = "draft_long_run_cpu"
 KEEP = ROOT / "bench" / "results" / "draft_experiment"  # sets.json and eval.answers.json per model
 MAX_TOKENS = 512
 HELD = 200  # conversations in each of the held-in and held-out sets
+SPEC_BENCH_TOKENS = 128  # the Spec-Bench continuations' length, which held-out-128 cuts answers to
+CURVE_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
 KS = (1, 2, 3, 4, 5)
 RECIPE = {"init": "random", "draft_vocab_size": 4096, "ttt_steps": 3, "batch_size": 16, "lr": 3e-3}
 
@@ -100,8 +106,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=RECIPE["draft_vocab_size"],
                         help=f"(default {RECIPE['draft_vocab_size']}); with --init-from a larger one grows the parent's "
                         "vocabulary; another one names the cell <cell>-v<SIZE>")
+    parser.add_argument("--conversations", type=int, default=None, metavar="N",
+                        help="train on the first N training conversations only; names the cell <cell>-c<N>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
-    parser.add_argument("--curve-sets", nargs="+", default=["held-in", "held-out", "spec-bench"],
+    parser.add_argument("--curve-sets", nargs="+", default=list(CURVE_SETS), choices=CURVE_SETS,
                         help="the evaluation sets the curve stage replays")
     parser.add_argument("--curve-steps", type=int, nargs="+", default=None,
                         help="only these kept steps (default: every kept one)")
@@ -119,8 +127,11 @@ def main() -> None:
     from elsi_fast.training.training_data import conversation_samples
 
     recipe = {**RECIPE, "lr": args.lr, "draft_vocab_size": args.draft_vocab_size}
+    if args.conversations is not None and args.conversations < 1:
+        raise SystemExit(f"--conversations: expected a positive count, got {args.conversations}")
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
-        ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}")
+        ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
+        ("" if args.conversations is None else f"-c{args.conversations}")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
@@ -138,8 +149,11 @@ def main() -> None:
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
     train, held_in, held_out = held_sets(records, keep, args.seed)
+    train = train[: args.conversations]
     samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
-    evaluation = {"held-in": held_in, "held-out": held_out, "spec-bench": _spec_bench(model, tokenizer, work, keep)}
+    evaluation = {"held-in": held_in, "held-out": held_out,
+                  "held-out-128": [{**r, "response_ids": list(r["response_ids"])[:SPEC_BENCH_TOKENS]} for r in held_out],
+                  "spec-bench": _spec_bench(model, tokenizer, work, keep)}
     caches = {}
     if "cache" in args.stages or "train" in args.stages:
         # The training states come from the target in bf16 where the CPU multiplies bf16 natively
@@ -215,7 +229,7 @@ def _plot(results: Path, model: str) -> None:
     rows = [r for r in rows if r["metric"] == "tau_k4" and r["params"]["model"] == model and r["params"]["tokens_seen"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     for cell in sorted({r["params"]["cell"] for r in rows}):
-        for name, style in (("held-in", ":"), ("held-out", "--"), ("spec-bench", "-")):
+        for name, style in (("held-in", ":"), ("held-out", "--"), ("held-out-128", "-."), ("spec-bench", "-")):
             points = sorted((r["params"]["tokens_seen"], r["value"]) for r in rows
                             if r["params"]["cell"] == cell and r["params"]["set"] == name)
             if points:

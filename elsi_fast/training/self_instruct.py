@@ -11,8 +11,9 @@ default, as Magpie does), keeps those that ended with the end-of-turn token, and
   near duplicate of one of their turns, so that evaluation stays unseen (docs/method.md section 6).
 
 Every sampled turn is appended to `out/instructions_raw.jsonl` (one batch at a time, batch b
-seeded with seed + b), so an interrupted run continues where it stopped and the filter is a pure
-function of that file; `out/instructions.jsonl` holds the kept instructions in the prompts
+seeded with seed + b), so an interrupted run continues where it stopped (with the same engine or
+another: `self_instruct.json` keeps the first, and a turn another engine sampled names it in
+`"engine"`) and the filter is a pure function of that file; `out/instructions.jsonl` holds the kept instructions in the prompts
 format (`question_id`, `category`, `turns`) that `load_prompts` reads.
 """
 
@@ -190,9 +191,16 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
                 "max_instruction_tokens": max_instruction_tokens, "batch_size": batch_size,
                 "engine": server.ENGINE if server is not None else "transformers"}
     settings_path = out / "self_instruct.json"
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
-        raise ValueError(f"out: {out} holds instructions sampled with other settings or another chat template")
+    # Another engine may continue a folder, as in `regenerate`: the settings keep the first engine
+    # and each turn another one samples names it.
+    engine = settings["engine"]
+    if settings_path.is_file():
+        before = json.loads(settings_path.read_text())
+        if {k: v for k, v in before.items() if k != "engine"} != {k: v for k, v in settings.items() if k != "engine"}:
+            raise ValueError(f"out: {out} holds instructions sampled with other settings or another chat template")
+        settings = before
     settings_path.write_text(json.dumps(settings, indent=1))
+    other_engine = {"engine": engine} if engine != settings["engine"] else {}
     raw_path = out / RAW_FILE
     raw = _read_raw(raw_path)
     raw_path.write_text("".join(json.dumps(r) + "\n" for r in raw))  # drop a cut last line
@@ -223,7 +231,8 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
                 finished = bool(row) and row[-1] in ends
                 ids = row[:-1] if finished else row
                 batch.append({"id": f"si-{seed}-{batch_number}-{j}", "batch": batch_number, "finished": finished,
-                              "ids": ids, "text": tokenizer.decode(ids, skip_special_tokens=True).strip()})
+                              "ids": ids, "text": tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                              **other_engine})
                 generated += len(row)
             sink.write("".join(json.dumps(r) + "\n" for r in batch))
             sink.flush()

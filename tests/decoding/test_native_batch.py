@@ -125,6 +125,13 @@ def test_regenerate_and_self_instruct_with_the_native_engine_on_smollm2(smollm2,
                             server=generator, progress=False)
     assert written["sampled"] == 3
     assert json.loads((tmp_path / "si" / "self_instruct.json").read_text())["engine"] == "native"
+    # Another engine continues the folder: the settings keep the first, its turns name it.
+    grown = self_instruct(model, tokenizer, tmp_path / "si", 10, temperature=1.0, batch_size=3, max_batches=2,
+                          max_instruction_tokens=16, progress=False)
+    raw = [json.loads(line) for line in (tmp_path / "si" / "instructions_raw.jsonl").read_text().splitlines()]
+    assert grown["sampled"] == 6 and [r["batch"] for r in raw] == [0, 0, 0, 1, 1, 1]
+    assert [r.get("engine") for r in raw] == [None] * 3 + ["transformers"] * 3
+    assert json.loads((tmp_path / "si" / "self_instruct.json").read_text())["engine"] == "native"
 
 
 def test_cli_checks_the_native_engines_arguments_before_loading(tmp_path, capsys):
