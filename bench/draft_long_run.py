@@ -186,7 +186,9 @@ def main() -> None:
         caches[name] = build(model, continuation_samples(rows), layers, work / f"cache-{name}-{'-'.join(map(str, layers))}",
                              dtype="bfloat16", progress=False)
     summary_path = cell / SUMMARY_FILE
-    history = json.loads(summary_path.read_text())["history"] if summary_path.is_file() else []
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    history = summary.get("history", [])
+    trained_on = summary.get("conversations", len(train))  # the data may have grown since
     tokens_at = {h["step"]: parent_tokens + sum(x["tokens"] for x in history[: h["step"]]) for h in history}
     results = ROOT / "bench" / "results" / f"{RESULTS}.jsonl"
     done = set()
@@ -212,7 +214,7 @@ def main() -> None:
                     print(f"step {step} ({tokens_at.get(step, 0)} tokens) {name}: tau(k=4) {tau['all']:.3f}")
                 record(RESULTS, "draft_long_run", f"tau_k{k}", tau["all"], "tokens/forward", device=device,
                        params={"model": args.model, "cell": cell.name, "set": name, "layers": layers, "step": step,
-                               "tokens_seen": tokens_at.get(step), "conversations": len(train),
+                               "tokens_seen": tokens_at.get(step), "conversations": trained_on,
                                "prompts": sum(len(v) for v in runs[k].values()), "recipe": recipe,
                                "steps": args.steps, "init_from": args.init_from, "per_category": tau, "note": args.note,
                                "pooled": True})

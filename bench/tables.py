@@ -319,13 +319,13 @@ def serve_check(results: Results) -> list[str]:
 # ---- docs/real-models.md: the long run's tau curve ----------------------------------------------
 
 LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
-LONG_RUN_SETS = ("held-in", "held-out", "spec-bench")
+LONG_RUN_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
 
 
 def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
     """Reads tau_k4 of each kept step of a long run's cells (a cell and the cells continuing it,
-    `draft_long_run --init-from`, named `<parent>+<steps>`) on the three evaluation sets
-    (params.set), with the training tokens seen since the first cell's start (params.tokens_seen)."""
+    `draft_long_run --init-from`, named `<parent>+<steps>`) on the evaluation sets (params.set;
+    "held-out-128" only where replayed), with the training tokens seen since the first cell's start (params.tokens_seen)."""
 
     def render(results: Results) -> list[str]:
         body, done = [], 0
@@ -333,12 +333,17 @@ def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
             rows = [r for r in results.rows(LONG_RUN.file) if r["params"]["cell"] == cell and r["params"]["model"] == model]
             steps = sorted({row["params"]["step"] for row in rows})
             for step in steps:
+                # held-out-128 came later: the steps replayed before it have no row there
                 picked = [LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
+                          if name != "held-out-128" or any(r["params"]["step"] == step and r["params"]["set"] == name
+                                                           for r in rows) else None
                           for name in LONG_RUN_SETS]
                 label = f"{done} + {step}" if done else str(step)
-                body.append([label, f"{picked[0]['params']['tokens_seen'] / 1e6:.2f}M", *(f"{r['value']:.3f}" for r in picked)])
+                body.append([label, f"{picked[0]['params']['tokens_seen'] / 1e6:.2f}M",
+                             *(f"{r['value']:.3f}" if r else "-" for r in picked)])
             done += max(steps, default=0)
-        return markdown(["step", "training tokens seen", "held in (200)", "held out (200)", "Spec-Bench (480)"], body)
+        return markdown(["step", "training tokens seen", "held in (200)", "held out (200)",
+                         "held out, 128 tokens (200)", "Spec-Bench (480)"], body)
 
     return render
 
