@@ -74,7 +74,8 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
         "final_loss": summary["final_loss"],
         "tau": table,
         "tau_note": "tokens per target forward, greedy, pooled over prompts; held-in / held-out: 200 training / "
-                    "unseen conversations each; spec-bench: the 480 Spec-Bench prompts, 128 new tokens "
+                    "unseen conversations each; held-out-128: the held-out answers' first 128 tokens; spec-bench: the "
+                    "480 Spec-Bench prompts, 128 new tokens "
                     "(bench/draft_long_run.py)",
         "source": str(cell.relative_to(ROOT)) if cell.is_relative_to(ROOT) else str(cell),
     }

