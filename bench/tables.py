@@ -131,9 +131,6 @@ SELECTION = Source("selection_cpu.jsonl", "selection_e2e", {"layers": 33, "promp
 DRAFT_DECODE = Source("draft_decode_cpu.jsonl", "draft_decode", {"shape": "qwen3-4b"})
 KERNELS = Source("llamacpp_kernels_cpu.jsonl", "llamacpp_kernels")
 VERIFY = Source("target_runtime_cpu.jsonl", "target_verify_forward", {"tokens": 5, "threads": 1, "busy_neighbours": 0})
-# The end-to-end run of 2026-12-02: the seed-0 EAGLE3-default draft on the fp32 target runtime, 2 threads.
-E2E = Source("spec_e2e_cpu.jsonl", "spec_e2e_real_target",
-             {"draft": "runs/draft-experiment/smollm2-135m-instruct/cells/eagle3-m3-seed0-claims"})
 LLAMACPP = Source("llamacpp_integration_cpu.jsonl", "llamacpp_spec_decoding")
 # The native GGUF forward against llama.cpp on the same file, quiet cores (2026-12-05).
 NATIVE = Source("native_target_cpu.jsonl", "native_target_decode", {"rounds": 5, "tokens": 128})
@@ -142,8 +139,8 @@ NATIVE = Source("native_target_cpu.jsonl", "native_target_decode", {"rounds": 5,
 def headline(results: Results) -> list[str]:
     """Reads: metrics_cpu (cka_matrix and token_entropy, median_time_best_threads), selection_cpu
     (selection_seconds), draft_decode_cpu (native_bf16_vs_compile_bf16), llamacpp_kernels_cpu
-    (elsi_int8_vs_ggml_Q8_0), target_runtime_cpu (forward_ms), spec_e2e_cpu (decode tokens/s) and
-    native_target_cpu (the native GGUF forward's greedy tokens/s against llama.cpp's)."""
+    (elsi_int8_vs_ggml_Q8_0), target_runtime_cpu (forward_ms) and native_target_cpu (the native GGUF
+    forward's greedy tokens/s against llama.cpp's, and Gemma 3's with the kept draft)."""
     best = "median_time_best_threads"
     cka = Source(METRICS_FILE, CKA).pick(results, best)
     eager = Source(METRICS_FILE, ENTROPY + "log_softmax one-liner").pick(results, best)
@@ -153,8 +150,7 @@ def headline(results: Results) -> list[str]:
     ggml = KERNELS.pick(results, "elsi_int8_vs_ggml_Q8_0", shape="smollm2", threads=1)
     runtime = VERIFY.pick(results, "forward_ms", contender="rt-bf16+compile")
     compile_ = VERIFY.pick(results, "forward_ms", contender="compile")
-    spec = E2E.pick(results, "eagle3_int8_k2_decode_tokens_per_s")
-    greedy = E2E.pick(results, "greedy_decode_tokens_per_s")
+    spec = NATIVE_GEMMA3.pick(results, "draft_tokens_per_s/Q4_K_M/threads=1/k=2")
     native = NATIVE.pick(results, "greedy_tokens_per_s/Q4_1/threads=2")
     def faster(ratio: float, ours: float, theirs: float, unit: str) -> str:
         return f"{x(ratio)} ({ms(ours)} vs {ms(theirs)} {unit})"
@@ -172,7 +168,7 @@ def headline(results: Results) -> list[str]:
          faster(ggml["ratio"], ggml["params"]["ms"], ggml["baseline"], "ms"), [ggml]),
         ("SmolLM2 verify forward of 5 tokens, 1 thread, target runtime bf16 + compile", "`torch.compile` of the eager model",
          faster(compile_["value"] / runtime["value"], runtime["value"], compile_["value"], "ms"), [runtime, compile_]),
-        ("SmolLM2 decoding, int8 EAGLE3-default draft, k=2, 2 threads", "greedy decoding, same runtime",
+        ("Gemma 3 decoding, native GGUF forward + kept m=1 draft, k=2, 1 thread, 2 prompts", "llama.cpp's greedy, 1 thread",
          faster(spec["ratio"], spec["value"], spec["baseline"], f"tokens/s, tau {spec['params']['tau']:.2f}"), [spec]),
         ("SmolLM2 greedy decoding, native GGUF forward (Q4_1 file), 2 threads", "llama.cpp's greedy (`llama-bench` tg)",
          faster(native["ratio"], native["value"], native["baseline"], "tokens/s"), [native]),
