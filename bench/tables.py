@@ -456,6 +456,9 @@ TABLES: tuple[Table, ...] = (
           "each kept step of the SmolLM2 ELSI m=1 cell",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
                          "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500")),
+    Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
+          long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000")),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                                                     "elsi-m1-seed0-steps500+300+300-v8192")),
