@@ -13,8 +13,9 @@ default, as Magpie does), keeps those that ended with the end-of-turn token, and
 Every sampled turn is appended to `out/instructions_raw.jsonl` (one batch at a time, batch b
 seeded with seed + b), so an interrupted run continues where it stopped (with the same engine or
 another: `self_instruct.json` keeps the first, and a turn another engine sampled names it in
-`"engine"`) and the filter is a pure function of that file; `out/instructions.jsonl` holds the kept instructions in the prompts
-format (`question_id`, `category`, `turns`) that `load_prompts` reads.
+`"engine"`) and the filter is a pure function of that file; `out/instructions.jsonl` holds the
+kept instructions in the prompts format (`question_id`, `category`, `turns`) that `load_prompts`
+reads.
 """
 
 from __future__ import annotations
