@@ -12,7 +12,7 @@ continuations, restored from the draft experiment's kept answers (the same conti
 "held-out-128" is the held-out set cut to its answers' first 128 tokens, Spec-Bench's length: tau
 grows along an answer, so it separates the prompts' share of the Spec-Bench gap from the length's.
 `--conversations N` trains on the first N training conversations only (a cell whose layers cost a
-new feature cache, e.g. the m=3 sets, on a budget).
+new feature cache, e.g. the m=3 sets, on a budget; a complete longer cache of the layers serves them).
 
 Stages, each resumable:
 - cache: one bfloat16 feature cache of the training conversations for the layer set, and one per

@@ -12,7 +12,10 @@ The folder holds `meta.json` (what was dumped, from which target and data; the s
 far) and one flat file per array. The size is known before anything is written and must stay
 under `max_bytes`; a dump interrupted by Ctrl-C or a crash continues where its last batch ended.
 A cache grows with its data: built again with more samples after the ones it holds (a
-`regenerate` run appends its new conversations), it keeps them and dumps only the new ones.
+`regenerate` run appends its new conversations), it keeps them and dumps only the new ones. Built
+with the first samples of the ones it holds, or with some of its layers, a complete cache serves
+them as they are (a cell trained on a prefix of the data, or one layer of an m=3 set, needs no
+dump of its own); each sample's digest in the meta proves the prefix.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def samples_fingerprint(samples: Sequence[Sample]) -> str:
         digest.update(sample.ids.numpy().astype(np.int32).tobytes())
         digest.update(sample.loss_mask.numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def sample_digests(samples: Sequence[Sample]) -> list[str]:
+    """One short hash per sample (its ids and loss mask): what tells a prefix of a cache's samples."""
+    return [hashlib.sha256(s.ids.numpy().astype(np.int32).tobytes() + s.loss_mask.numpy().tobytes()).hexdigest()[:16]
+            for s in samples]
 
 
 def target_fingerprint(target) -> str:
@@ -127,9 +136,10 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
           dtype: str = "float32", max_bytes: int = DEFAULT_MAX_BYTES, batch_size: int = 8,
           progress: bool = True) -> FeatureCache:
     """Dump (or continue dumping) the cache of `samples` for `layers` into `path`; see the module
-    docstring. An existing complete cache of the same target and data that holds `layers` is
-    returned as it is; one whose samples are a prefix of `samples` grows (the new ones are dumped);
-    one of another target, data or layers is refused."""
+    docstring. An existing cache of the same target and dtype that holds `layers` (or more) is
+    returned as it is for the same samples, grows for a longer list that starts with its samples
+    (the new ones are dumped), and serves a shorter list that its samples start with once it is
+    complete; other data, another target or missing layers are refused."""
     if dtype not in _DTYPES:
         raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
     head = plain_lm_head(target)
@@ -140,23 +150,43 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
     layers = sorted(set(int(l) for l in layers))
     dim = target.get_input_embeddings().weight.shape[1]
     lengths = [len(s.ids) for s in samples]
-    tokens = sum(lengths)
+    digests = sample_digests(samples)
     element = 4 if dtype == "float32" else 2
-    size = tokens * (len(layers) + 1) * dim * element
     identity = {"version": _VERSION, "target": target_fingerprint(target), "samples": samples_fingerprint(samples),
                 "layers": layers, "dim": dim, "dtype": dtype}
     if (path / META_FILE).is_file():
         meta = json.loads((path / META_FILE).read_text())
-        if {k: meta.get(k) for k in identity} != identity and _is_prefix(meta, identity, samples):
-            meta = _grow(path, meta, identity, lengths, element, size, max_bytes)
-        if {k: meta.get(k) for k in identity} != identity:
+        source = ("version", "target", "dim", "dtype")
+        if any(meta.get(k) != identity[k] for k in source) or not set(layers) <= set(meta.get("layers", [])):
             held = {k: meta.get(k) for k in ("layers", "dtype")}
             raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set ({held}); "
                              "use another folder")
+        identity["layers"] = layers = meta["layers"]  # a cache of more layers serves these as it is
+        size = sum(lengths) * (len(layers) + 1) * dim * element
+        held = len(meta["lengths"])
+        if meta["samples"] == identity["samples"]:
+            if meta.get("digests") is None:  # dumped before the digests were kept
+                meta["digests"] = digests
+                _write_meta(path, meta)
+        elif held < len(samples) and meta["samples"] == samples_fingerprint(samples[:held]):
+            meta = _grow(path, meta, identity, lengths, digests, element, size, max_bytes)
+        elif held > len(samples) and meta.get("digests") is None:
+            raise ValueError(f"feature_cache: {path} was dumped before it kept its samples' digests, so it cannot "
+                             "serve a prefix of them; build it once with all its samples")
+        elif held > len(samples) and meta["digests"][: len(samples)] == digests:
+            if meta["done"] < held:
+                raise ValueError(f"feature_cache: {path} holds these {len(samples)} samples among {held} and is "
+                                 "still dumping; build it with all its samples first")
+            return FeatureCache(path, _prefix_meta(meta, identity, len(samples), size))
+        else:
+            raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set "
+                             f"({held} other samples); use another folder")
         cache = FeatureCache(path, meta)
         if cache.complete:
             return cache
     else:
+        tokens = sum(lengths)
+        size = tokens * (len(layers) + 1) * dim * element
         if size > max_bytes:
             raise ValueError(f"max_cache_bytes: the cache of {len(samples)} samples ({tokens} tokens) x {len(layers)} "
                              f"layers + the final state in {dtype} needs {size / 2**30:.2f} GiB, over the bound "
@@ -166,7 +196,7 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
         # Dumped longest first, so that a batch holds samples of similar length (padding is forward work).
         order = sorted(range(len(samples)), key=lambda i: -lengths[i])
         meta = {**identity, "offsets": [int(o) for o in offsets], "lengths": lengths, "tokens": tokens,
-                "bytes": size, "order": order, "done": 0}
+                "bytes": size, "order": order, "done": 0, "digests": digests}
         for name, width in (("features", len(layers) * dim), ("final", dim)):
             with open(path / f"{name}.bin", "wb") as f:
                 f.truncate(tokens * width * element)
@@ -176,16 +206,16 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
     return cache
 
 
-def _is_prefix(meta: dict, identity: dict, samples: Sequence[Sample]) -> bool:
-    """Whether the cache holds the first samples of `samples` from the same target and layers (a
-    regenerate run appends its new conversations after the old ones)."""
-    held = len(meta["lengths"])
-    same = all(meta.get(k) == identity[k] for k in identity if k != "samples")
-    return same and held < len(samples) and meta["samples"] == samples_fingerprint(samples[:held])
+def _prefix_meta(meta: dict, identity: dict, count: int, size: int) -> dict:
+    """The meta of a complete cache read as its first `count` samples (never written: the folder
+    keeps all its samples)."""
+    return {**meta, **identity, "offsets": meta["offsets"][:count], "lengths": meta["lengths"][:count],
+            "tokens": sum(meta["lengths"][:count]), "bytes": size, "order": [i for i in meta["order"] if i < count],
+            "done": count, "digests": meta["digests"][:count]}
 
 
-def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], element: int, size: int,
-          max_bytes: int) -> dict:
+def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], digests: list[str], element: int,
+          size: int, max_bytes: int) -> dict:
     """Extend a cache to the longer sample list: the dumped samples stay, the new ones are queued
     after them (longest first) and dumped by `_fill`."""
     if size > max_bytes:
@@ -199,7 +229,7 @@ def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], element: i
     new = sorted(range(held, len(lengths)), key=lambda i: -lengths[i])
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
     meta = {**meta, **identity, "offsets": [int(o) for o in offsets], "lengths": lengths, "tokens": tokens,
-            "bytes": size, "order": meta["order"] + new}
+            "bytes": size, "order": meta["order"] + new, "digests": digests}
     _write_meta(path, meta)
     return meta
 

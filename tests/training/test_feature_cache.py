@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -88,3 +90,51 @@ def test_a_cache_grows_with_samples_appended_to_its_data(samples, tmp_path):
         fc.build(TARGET, samples[1:] + samples[:1], [2], tmp_path / "whole", progress=False)
     with pytest.raises(ValueError, match="max_cache_bytes: growing"):
         fc.build(TARGET, list(samples) + list(samples[:2]), [2], tmp_path / "grown", max_bytes=1000, progress=False)
+
+
+def test_a_complete_cache_serves_a_prefix_of_its_samples_and_some_of_its_layers(samples, tmp_path):
+    whole = fc.build(TARGET, samples, [1, 3], tmp_path / "c", batch_size=4, progress=False)
+    prefix = fc.build(TARGET, samples[:4], [3], tmp_path / "c", progress=False)
+    assert prefix.complete and prefix.layers == [1, 3]
+    assert prefix.meta["samples"] == fc.samples_fingerprint(samples[:4])  # what train_draft checks
+    assert fc.open_cache(tmp_path / "c").meta == whole.meta  # the folder keeps all its samples
+    ids, _, loss, aux, final = prefix.batch(samples[:4], [3, 0], [3])
+    for b, i in enumerate((3, 0)):
+        n = len(samples[i].ids)
+        expected_aux, expected_final = _direct(samples[i], [3])
+        torch.testing.assert_close(aux[b, :n], expected_aux, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final[b, :n], expected_final, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ids[b, :n], samples[i].ids) and torch.equal(loss[b, :n], samples[i].loss_mask)
+    for other in (samples[1:5], samples[:3] + samples[4:5]):  # not its first samples
+        with pytest.raises(ValueError, match="another target, data or layer set"):
+            fc.build(TARGET, other, [3], tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match="another target, data or layer set"):
+        fc.build(TARGET, samples[:4], [2], tmp_path / "c", progress=False)  # a layer it lacks
+
+
+def test_a_prefix_needs_the_whole_dump_and_the_digests(samples, tmp_path, monkeypatch):
+    real, calls = TARGET.base_model.forward, []
+
+    def stop_in_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(TARGET.base_model, "forward", stop_in_second)
+    with pytest.raises(KeyboardInterrupt):
+        fc.build(TARGET, samples, [2], tmp_path / "c", batch_size=2, progress=False)
+    monkeypatch.setattr(TARGET.base_model, "forward", real)
+    with pytest.raises(ValueError, match="still dumping; build it with all its samples first"):
+        fc.build(TARGET, samples[:3], [2], tmp_path / "c", progress=False)
+    fc.build(TARGET, samples, [2], tmp_path / "c", progress=False)
+    # A cache dumped before the digests were kept: its full sample list records them, then it serves.
+    meta_path = tmp_path / "c" / fc.META_FILE
+    meta = json.loads(meta_path.read_text())
+    del meta["digests"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="before it kept its samples' digests"):
+        fc.build(TARGET, samples[:3], [2], tmp_path / "c", progress=False)
+    assert fc.build(TARGET, samples, [2], tmp_path / "c", progress=False).meta["digests"] == fc.sample_digests(samples)
+    assert fc.build(TARGET, samples[:3], [2], tmp_path / "c", progress=False).meta["lengths"] == \
+        [len(s.ids) for s in samples[:3]]
