@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
     train.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test depth (default 3; EAGLE3: 7)")
     train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024), or --init-from's)")
+    train.add_argument("--draft-vocab-coverage", type=float, default=None, metavar="SHARE",
+                       help="instead of --draft-vocab-size: the fewest most frequent answer tokens that cover this "
+                       "share of them (e.g. 0.97; with --init-from, added to its vocabulary)")
     train.add_argument("--intermediate-size", type=positive_int, default=None, help="draft MLP width (default: the target's)")
     train.add_argument("--save-every", type=positive_int, default=50,
                        help="write the checkpoint and training state every this many steps (default 50)")
@@ -178,6 +181,11 @@ def train_check(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.draft_vocab_coverage is not None:
+        if not 0.0 < args.draft_vocab_coverage <= 1.0:
+            raise UsageError(f"--draft-vocab-coverage: must be a share in (0, 1], got {args.draft_vocab_coverage}")
+        if args.draft_vocab_size is not None:
+            raise UsageError("--draft-vocab-coverage: give it or --draft-vocab-size, not both")
     if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
         raise UsageError(f"--init-from: {args.init_from} is not a draft folder (no config.json)")
     late = [step for step in args.keep_steps if step > args.steps]
@@ -227,7 +235,7 @@ def train_handler(args: argparse.Namespace) -> int:
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft, summary = train_draft(
         model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
-        draft_vocab_size=args.draft_vocab_size, steps=args.steps, batch_size=args.batch_size,
+        draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
         init=args.init, init_from=args.init_from, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
         precision=args.precision, resume=not args.no_resume,

@@ -104,6 +104,29 @@ def grown_draft_vocab_ids(kept: torch.Tensor, token_ids: torch.Tensor, vocab_siz
     return torch.sort(order[:draft_vocab_size]).values
 
 
+def draft_vocab_size_for_coverage(token_ids: torch.Tensor, vocab_size: int, coverage: float,
+                                  kept: torch.Tensor | None = None) -> int:
+    """The fewest draft tokens that cover the share `coverage` of `token_ids` (the tokens the draft
+    learns to predict): the most frequent ones, as `draft_vocab_ids` picks them, or after `kept` (a
+    continued draft's vocabulary, which stays whole, as `grown_draft_vocab_ids` keeps it). A token
+    outside the draft vocabulary can never be drafted, so this sizes the head from the data
+    (docs/method.md section 6)."""
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"draft_vocab_coverage: expected a share in (0, 1], got {coverage!r}")
+    if not token_ids.numel():
+        raise ValueError("draft_vocab_coverage: the data has no tokens to cover")
+    counts = torch.bincount(token_ids.flatten(), minlength=vocab_size).to(torch.float64)
+    base, start = 0.0, 0
+    if kept is not None:
+        base, start = float(counts[kept].sum()), kept.numel()
+        counts[kept] = 0.0
+    covered = base + torch.cumsum(torch.sort(counts, descending=True).values, 0)
+    # The first size whose covered count reaches the goal (counts are integers: no rounding doubt).
+    goal = coverage * token_ids.numel()
+    extra = 0 if base >= goal else int(torch.searchsorted(covered, torch.tensor([goal], dtype=torch.float64))) + 1
+    return max(1, min(vocab_size, start + extra))
+
+
 def draft_config_for(target, layers: Sequence[int], draft_vocab_size: int, **overrides) -> Eagle3Config:
     """An `Eagle3Config` shaped like the target's own blocks (EAGLE3's choice), reading `layers`.
 
@@ -365,6 +388,7 @@ def train_draft(
     out_dir: str | os.PathLike,
     draft_config: Mapping | None = None,
     draft_vocab_size: int | None = None,
+    draft_vocab_coverage: float | None = None,
     steps: int = 200,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -390,7 +414,8 @@ def train_draft(
     `feature_cache.FeatureCache` dumped from these samples: the target then never runs (offline
     training). draft_config: `Eagle3Config` field overrides (default: the target's block shape).
     draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
-    min(vocab, 1024), or the continued draft's). ttt_steps: training-time-test depth (EAGLE3 uses
+    min(vocab, 1024), or the continued draft's). draft_vocab_coverage: instead of a size, the share of
+    those tokens the vocabulary must cover (`draft_vocab_size_for_coverage`). ttt_steps: training-time-test depth (EAGLE3 uses
     7). init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
     schedule for a kept draft): its weights and draft vocabulary, with a fresh optimizer and
     schedule; its layers and shape must be this run's. A larger `draft_vocab_size` grows its
@@ -430,6 +455,11 @@ def train_draft(
     source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
     embed = target.get_input_embeddings().weight.detach()
     start = None if init_from is None else _read_continued(init_from, embed)
+    if draft_vocab_coverage is not None:
+        if draft_vocab_size is not None:
+            raise ValueError("draft_vocab_coverage: give a size or a coverage, not both")
+        kept = None if start is None else start.draft_to_target(torch.arange(start.config.draft_vocab_size))
+        draft_vocab_size = draft_vocab_size_for_coverage(predicted, vocab_size, draft_vocab_coverage, kept)
     if draft_vocab_size is None:
         draft_vocab_size = min(vocab_size, 1024) if start is None else start.config.draft_vocab_size
     config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))

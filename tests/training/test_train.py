@@ -12,7 +12,8 @@ import torch
 
 from elsi_fast.draft import Eagle3Draft
 from elsi_fast.training import train as train_mod
-from elsi_fast.training.train import draft_vocab_ids, grown_draft_vocab_ids, train_draft, ttt_loss
+from elsi_fast.training.train import (draft_vocab_ids, draft_vocab_size_for_coverage, grown_draft_vocab_ids, train_draft,
+                                      ttt_loss)
 from elsi_fast.training.training_data import token_stream
 from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER, conversation_samples_of_tiny_target
 
@@ -32,6 +33,20 @@ def test_draft_vocab_ids_tie_break_and_fill():
     assert draft_vocab_ids(tokens, 8, 5).tolist() == [0, 1, 3, 4, 6]
     with pytest.raises(ValueError, match="draft_vocab_size"):
         draft_vocab_ids(tokens, 8, 9)
+
+
+def test_draft_vocab_size_for_coverage_is_the_fewest_tokens_that_cover_the_share():
+    tokens = torch.tensor([5] * 5 + [2] * 3 + [9] * 2)  # counts 5, 3, 2 of 10
+    sizes = {share: draft_vocab_size_for_coverage(tokens, 12, share) for share in (0.1, 0.5, 0.51, 0.8, 0.81, 1.0)}
+    assert sizes == {0.1: 1, 0.5: 1, 0.51: 2, 0.8: 2, 0.81: 3, 1.0: 3}
+    for share, size in sizes.items():  # the same vocabulary draft_vocab_ids picks reaches the share
+        assert torch.isin(tokens, draft_vocab_ids(tokens, 12, size)).double().mean() >= share
+    # After a kept vocabulary ({9}: 0.2 of the tokens), the most frequent of the others join it.
+    kept = torch.tensor([9])
+    assert [draft_vocab_size_for_coverage(tokens, 12, s, kept) for s in (0.2, 0.21, 0.7, 0.71)] == [1, 2, 2, 3]
+    for bad in (0.0, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="draft_vocab_coverage"):
+            draft_vocab_size_for_coverage(tokens, 12, bad)
 
 
 def test_target_batch_soft_labels_align_with_target_logits():
@@ -137,6 +152,13 @@ def test_conversations_train_on_answer_tokens_only(samples, tmp_path):
     covered = torch.isin(answers, small.draft_to_target(torch.arange(8))).float().mean()
     assert 0 < float(covered) < 1
     assert small_summary["draft_vocab_coverage"] == pytest.approx(float(covered))
+    # Sized by coverage: the fewest most frequent answer tokens that reach the share.
+    args = {k: v for k, v in CONVERSATION_ARGS.items() if k != "draft_vocab_size"}
+    _, sized = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "sized",
+                           **{**args, "steps": 1, "draft_vocab_coverage": 0.9})
+    size = sized["draft_vocab_size"]
+    assert sized["draft_vocab_coverage"] >= 0.9 > float(
+        torch.isin(answers, draft_vocab_ids(answers, TARGET.config.vocab_size, size - 1)).float().mean())
     assert all(h["tokens"] > 0 for h in history)
     # a batch's rows are exactly those whose predicted token lies in an answer
     source = train_mod._SampleBatches(samples, None, None)
