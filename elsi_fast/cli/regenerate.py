@@ -55,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "OUT/instructions.jsonl, then answer them together with --prompts")
     parser.add_argument("--instruction-temperature", type=float, default=1.0,
                         help="--self-instruct: temperature of the sampled user turns (default 1.0, as Magpie)")
+    parser.add_argument("--instruction-openings", default=None, metavar="FILE",
+                        help="--self-instruct: start the sampled user turns with these first words, one line each, "
+                        "a batch each in turn ('builtin': 28 task openings, from writing and role-play to code, "
+                        "summaries and translation); a folder sampled without them continues with them")
     parser.add_argument("--corpus-tasks", type=positive_int, default=None, metavar="N",
                         help="also answer N document tasks built from --corpus paragraphs (summarize, list the key "
                         "points, extract names and numbers, simplify, a headline, a question about the article; "
@@ -137,6 +141,11 @@ def check(args: argparse.Namespace) -> None:
                 raise UsageError(f"--corpus: no such file: {path}")
             if not passages(path):  # before the target loads: a typo'd file costs no model load
                 raise UsageError(f"--corpus: no paragraph of {MIN_WORDS}-{MAX_WORDS} words in {path}")
+    args.openings = None
+    if args.instruction_openings is not None:
+        if args.self_instruct is None:
+            raise UsageError("--instruction-openings: only with --self-instruct")
+        args.openings = _openings(args.instruction_openings)
     if args.self_instruct is None and args.corpus_tasks is None:
         if args.eval_prompts is not None:
             raise UsageError("--eval-prompts: only with --self-instruct or --corpus-tasks")
@@ -192,6 +201,24 @@ def handler(args: argparse.Namespace) -> int:
         return _generate_all(args, model, tokenizer, server)
 
 
+def _openings(value: str) -> list[str]:
+    """--instruction-openings: the built-in list, or a text file's non-empty lines."""
+    from ..training.self_instruct import OPENINGS
+
+    if value == "builtin":
+        return list(OPENINGS)
+    if not os.path.isfile(value):
+        raise UsageError(f"--instruction-openings: no such file: {value} (or 'builtin')")
+    try:
+        with open(value, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except UnicodeDecodeError:
+        raise UsageError(f"--instruction-openings: {value} is not UTF-8 text") from None
+    if not lines:
+        raise UsageError(f"--instruction-openings: {value} holds no opening")
+    return lines
+
+
 def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
     from ..training.regenerate import regenerate
 
@@ -203,7 +230,8 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
         try:
             written = self_instruct(model, tokenizer, args.out, args.self_instruct, eval_texts=args.eval_texts,
                                     temperature=args.instruction_temperature, batch_size=args.batch_size,
-                                    seed=args.seed, progress=not args.no_progress, server=server)
+                                    seed=args.seed, openings=args.openings, progress=not args.no_progress,
+                                    server=server)
         except ValueError as exc:
             raise UsageError(one_line(exc)) from None
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(written["dropped"].items())) or "none"

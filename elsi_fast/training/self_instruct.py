@@ -10,6 +10,12 @@ default, as Magpie does), keeps those that ended with the end-of-turn token, and
 - anything close to the evaluation prompts (Spec-Bench, MT-bench): a shared word 8-gram, or a
   near duplicate of one of their turns, so that evaluation stays unseen (docs/method.md section 6).
 
+With `openings` (Magpie's prefix control), each batch's turns start with one of a list of words
+("Write a Python function", "Imagine you are", ...) in turn, which the target continues: a small
+target's free turns are mostly short chat, and the openings spread them over the kinds of task a
+user asks for (writing, role-play, reasoning, maths, code, extraction, summaries, translation).
+The turns keep their opening, which the filter sees too.
+
 Every sampled turn is appended to `out/instructions_raw.jsonl` (one batch at a time, batch b
 seeded with seed + b), so an interrupted run continues where it stopped (with the same engine or
 another: `self_instruct.json` keeps the first, and a turn another engine sampled names it in
@@ -39,6 +45,19 @@ _SENTINEL = "\x00ELSI-FAST-USER-TURN\x00"
 _WORD = re.compile(r"[^\W_]+")
 _BANDS, _ROWS = 16, 4
 _EVAL_NGRAM = 8
+
+
+# Task openings spread over the kinds of request in chat benchmarks and user logs (category names
+# only: no evaluation prompt is used, and the filter still keeps every turn away from them).
+OPENINGS = (
+    "Write a short story about", "Write a blog post about", "Write a poem about", "Write an email to",
+    "Imagine you are", "Pretend to be", "Explain why", "Explain how", "What is the difference between",
+    "Solve this problem:", "Calculate", "If a train", "Write a Python function that", "How do I fix this code:",
+    "Write a SQL query", "Extract the names and dates from this text:", "Summarize this article:",
+    "Summarize the following paragraph in one sentence:", "Translate into French:", "Translate this sentence:",
+    "Give me a list of", "Compare", "Describe the history of", "What are the main causes of",
+    "Rewrite this paragraph to be more formal:", "Classify the following", "Plan a", "Help me prepare",
+)
 
 
 def user_turn_prefix(tokenizer) -> tuple[list[int], list[int]]:
@@ -171,13 +190,16 @@ def filter_instructions(raw: Sequence[dict], eval_texts: Iterable[str], **thresh
 
 def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval_texts: Sequence[str] = (),
                   temperature: float = 1.0, max_instruction_tokens: int = 128, batch_size: int = 32, seed: int = 0,
-                  max_batches: int | None = None, progress: bool = True, server=None) -> dict[str, Any]:
+                  max_batches: int | None = None, openings: Sequence[str] | None = None, progress: bool = True,
+                  server=None) -> dict[str, Any]:
     """Sample user turns until `n` survive the filter (see the module docstring), or `max_batches`
     batches have been sampled in all; writes `out_dir/instructions.jsonl` and returns a summary:
     sampled, kept, dropped by reason, this run's new tokens and their rate. With `server` (an
     `elsi_fast.engines.llamacpp_server.LlamaServer` or a `decoding.native_batch.NativeBatchGenerator` on
     the target's GGUF file) that engine samples them, each turn seeded by its position; else
-    transformers, each batch seeded."""
+    transformers, each batch seeded. `openings`: the user turns' first words, one per batch in turn
+    (`OPENINGS` is a list); a folder sampled without them may continue with them, from its next
+    batch on (`self_instruct.json` keeps the list and that batch), but not with another list."""
     from .regenerate import _generate
 
     for name, value in (("n", n), ("max_instruction_tokens", max_instruction_tokens), ("batch_size", batch_size)):
@@ -185,6 +207,9 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     if not temperature > 0:
         raise ValueError(f"temperature: expected a number > 0 (the turns are sampled), got {temperature!r}")
+    openings = None if openings is None else [str(o).strip() for o in openings]
+    if openings is not None and (not openings or not all(openings)):
+        raise ValueError("openings: expected a non-empty list of non-empty texts")
     prefix, ends = user_turn_prefix(tokenizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,22 +220,29 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
     # Another engine may continue a folder, as in `regenerate`: the settings keep the first engine
     # and each turn another one samples names it.
     engine = settings["engine"]
-    if settings_path.is_file():
-        before = json.loads(settings_path.read_text())
-        if {k: v for k, v in before.items() if k != "engine"} != {k: v for k, v in settings.items() if k != "engine"}:
-            raise ValueError(f"out: {out} holds instructions sampled with other settings or another chat template")
-        settings = before
-    settings_path.write_text(json.dumps(settings, indent=1))
-    other_engine = {"engine": engine} if engine != settings["engine"] else {}
     raw_path = out / RAW_FILE
     raw = _read_raw(raw_path)
+    batch_number = (raw[-1]["batch"] + 1) if raw else 0
+    varying = ("engine", "openings")
+    if settings_path.is_file():
+        before = json.loads(settings_path.read_text())
+        if {k: v for k, v in before.items() if k not in varying} != {k: v for k, v in settings.items() if k not in varying}:
+            raise ValueError(f"out: {out} holds instructions sampled with other settings or another chat template")
+        kept_openings = before.get("openings", {}).get("texts")
+        if kept_openings is not None and kept_openings != openings:
+            raise ValueError(f"openings: {out} samples its turns from {len(kept_openings)} other openings "
+                             "(self_instruct.json); give the same list")
+        settings = before
+    if openings is not None and "openings" not in settings:
+        settings["openings"] = {"texts": openings, "from_batch": batch_number}
+    settings_path.write_text(json.dumps(settings, indent=1))
+    other_engine = {"engine": engine} if engine != settings["engine"] else {}
     raw_path.write_text("".join(json.dumps(r) + "\n" for r in raw))  # drop a cut last line
     guard = InstructionFilter(eval_texts)
     kept, dropped = [], {}
     _screen(guard, raw, kept, dropped)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     device = target.get_input_embeddings().weight.device
-    batch_number = (raw[-1]["batch"] + 1) if raw else 0
     generated, started = 0, time.perf_counter()
     from tqdm.auto import tqdm
 
@@ -218,22 +250,27 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
     target.eval()
     with DeferredInterrupt("the sampled instructions") as interrupt, open(raw_path, "a") as sink:
         while len(kept) < n and (max_batches is None or batch_number < max_batches):
+            opening = _opening(settings, batch_number)
+            start = tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
+            budget = max_instruction_tokens - len(start)
+            if budget < 1:
+                raise ValueError(f"max_instruction_tokens: {max_instruction_tokens} leaves no room after the "
+                                 f"opening {opening!r}")
             if server is None:
-                rows = _generate(target, [prefix] * batch_size, [max_instruction_tokens] * batch_size, temperature,
+                rows = _generate(target, [prefix + start] * batch_size, [budget] * batch_size, temperature,
                                  seed + batch_number, ends, pad, device, finish_fraction=1.0)
             else:
                 rows = [[]] * batch_size
                 seeds = [seed + batch_number * batch_size + j for j in range(batch_size)]
-                for j, tokens in server.generate([prefix] * batch_size, max_instruction_tokens, temperature, seeds,
-                                                 ends):
+                for j, tokens in server.generate([prefix + start] * batch_size, budget, temperature, seeds, ends):
                     rows[j] = tokens
             batch = []
             for j, row in enumerate(rows):
                 finished = bool(row) and row[-1] in ends
-                ids = row[:-1] if finished else row
+                ids = start + (row[:-1] if finished else row)
                 batch.append({"id": f"si-{seed}-{batch_number}-{j}", "batch": batch_number, "finished": finished,
                               "ids": ids, "text": tokenizer.decode(ids, skip_special_tokens=True).strip(),
-                              **other_engine})
+                              **({"opening": opening} if opening else {}), **other_engine})
                 generated += len(row)
             sink.write("".join(json.dumps(r) + "\n" for r in batch))
             sink.flush()
@@ -251,6 +288,14 @@ def self_instruct(target, tokenizer, out_dir: str | os.PathLike, n: int, *, eval
     return {"sampled": len(raw), "kept": min(len(kept), n), "dropped": dropped, "new_tokens": generated,
             "seconds": seconds, "new_tokens_per_s": generated / seconds if seconds else 0.0,
             "path": str(out / KEPT_FILE)}
+
+
+def _opening(settings: dict, batch_number: int) -> str | None:
+    """The first words of batch `batch_number`'s turns: the openings in turn from their first batch."""
+    openings = settings.get("openings")
+    if openings is None or batch_number < openings["from_batch"]:
+        return None
+    return openings["texts"][(batch_number - openings["from_batch"]) % len(openings["texts"])]
 
 
 def evaluation_texts(paths: Iterable[str | os.PathLike]) -> list[str]:

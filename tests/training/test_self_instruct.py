@@ -101,6 +101,35 @@ def test_sampling_resumes_to_the_same_records_and_writes_loadable_prompts(tmp_pa
         si.self_instruct(TARGET, CHAT, tmp_path / "whole", 5, temperature=0.5, progress=False)
 
 
+def test_openings_start_each_batchs_turns_in_turn_and_a_plain_folder_continues_with_them(tmp_path):
+    openings = ["the king said", "a castle"]
+    args = dict(max_instruction_tokens=10, batch_size=3, progress=False)
+    si.self_instruct(TARGET, CHAT, tmp_path / "a", 10**6, max_batches=2, **args)  # plain turns first
+    si.self_instruct(TARGET, CHAT, tmp_path / "a", 10**6, max_batches=5, openings=openings, **args)
+    settings = json.loads((tmp_path / "a" / "self_instruct.json").read_text())
+    assert settings["openings"] == {"texts": openings, "from_batch": 2}
+    records = [json.loads(line) for line in (tmp_path / "a" / si.RAW_FILE).read_text().splitlines()]
+    assert [r["batch"] for r in records] == [b for b in range(5) for _ in range(3)]
+    for r in records:
+        opening = None if r["batch"] < 2 else openings[(r["batch"] - 2) % 2]
+        assert r.get("opening") == opening and len(r["ids"]) <= 10
+        if opening is not None:
+            start = CHAT(opening, add_special_tokens=False)["input_ids"]
+            assert r["ids"][: len(start)] == start and r["text"].startswith(opening)
+    # The same command continues (to the same records as one run); another list is refused.
+    si.self_instruct(TARGET, CHAT, tmp_path / "b", 10**6, max_batches=2, **args)
+    si.self_instruct(TARGET, CHAT, tmp_path / "b", 10**6, max_batches=3, openings=openings, **args)
+    si.self_instruct(TARGET, CHAT, tmp_path / "b", 10**6, max_batches=5, openings=openings, **args)
+    assert (tmp_path / "b" / si.RAW_FILE).read_text() == (tmp_path / "a" / si.RAW_FILE).read_text()
+    for other in (openings[::-1], None):
+        with pytest.raises(ValueError, match="openings: .* 2 other openings"):
+            si.self_instruct(TARGET, CHAT, tmp_path / "a", 10**6, max_batches=6, openings=other, **args)
+    with pytest.raises(ValueError, match="max_instruction_tokens: 1 leaves no room"):
+        si.self_instruct(TARGET, CHAT, tmp_path / "c", 10**6, max_batches=1, openings=openings,
+                         **{**args, "max_instruction_tokens": 1})
+    assert len(si.OPENINGS) == len(set(si.OPENINGS)) == 28  # the CLI's help names the count
+
+
 def test_regenerate_continues_when_the_prompt_set_grows_and_refuses_a_changed_prompt(tmp_path):
     prompts = [Prompt(text=TEXTS[i][:30], id=f"p{i}", chat=True) for i in range(5)]
     regen.regenerate(TARGET, TOKENIZER, prompts[:3], tmp_path, max_new_tokens=4, batch_size=2, progress=False)
@@ -122,6 +151,8 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
     TARGET.save_pretrained(target)
     CHAT.save_pretrained(target)
     base[2] = str(target)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
     cases = [
         (["--self-instruct", "10"], "--eval-prompts: --self-instruct needs"),
         (["--eval-prompts", str(prompts)], "--eval-prompts: only with --self-instruct or --corpus-tasks"),
@@ -129,6 +160,11 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
         (["--self-instruct", "10", "--eval-prompts", str(prompts), "--instruction-temperature", "0"],
          "--instruction-temperature: must be a number > 0"),
         (["--self-instruct", "0", "--eval-prompts", str(prompts)], "--self-instruct"),
+        (["--instruction-openings", "builtin"], "--instruction-openings: only with --self-instruct"),
+        (["--self-instruct", "10", "--eval-prompts", str(prompts), "--instruction-openings", str(tmp_path / "no")],
+         "--instruction-openings: no such file"),
+        (["--self-instruct", "10", "--eval-prompts", str(prompts), "--instruction-openings", str(blank)],
+         "--instruction-openings: " + str(blank) + " holds no opening"),
     ]
     assert_usage_errors(base, cases, capsys, tmp_path / "out")
 
