@@ -229,19 +229,24 @@ def _plot(results: Path, model: str) -> None:
 
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     rows = [r for r in rows if r["metric"] == "tau_k4" and r["params"]["model"] == model and r["params"]["tokens_seen"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for cell in sorted({r["params"]["cell"] for r in rows}):
-        for name, style in (("held-in", ":"), ("held-out", "--"), ("held-out-128", "-."), ("spec-bench", "-")):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # One line per run and set: a continued cell (`<parent>+<steps>...`) extends its first cell's
+    # line, since its tokens seen count the parent's; the sets by colour, the runs by marker.
+    runs = sorted({r["params"]["cell"].split("+")[0] for r in rows})
+    for run, marker in zip(runs, "osD^v<>"):
+        for name, colour in (("held-in", "tab:blue"), ("held-out", "tab:orange"), ("held-out-128", "tab:green"),
+                             ("spec-bench", "tab:red")):
             points = sorted((r["params"]["tokens_seen"], r["value"]) for r in rows
-                            if r["params"]["cell"] == cell and r["params"]["set"] == name)
+                            if r["params"]["cell"].split("+")[0] == run and r["params"]["set"] == name)
             if points:
-                ax.plot(*zip(*points), style, marker="o", label=f"{cell} {name}")
+                ax.plot(*zip(*points), "-" if marker == "o" else "--", color=colour, marker=marker, markersize=4,
+                        label=f"{run}: {name}")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens seen")
     ax.set_ylabel("tau at k=4 (tokens per target forward)")
     ax.set_title(f"{model}: tau against training tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left")
     out = ROOT / "docs" / "img" / f"{model.split('-')[0]}_long_run_tau.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)

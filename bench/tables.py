@@ -455,7 +455,8 @@ TABLES: tuple[Table, ...] = (
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each kept step of the SmolLM2 ELSI m=1 cell",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
-                         "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500")),
+                         "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500",
+                         "elsi-m1-seed0-steps480+400+400+500+300-v12288-c9506")),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
           long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000")),
