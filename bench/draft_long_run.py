@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=RECIPE["draft_vocab_size"],
                         help=f"(default {RECIPE['draft_vocab_size']}); with --init-from a larger one grows the parent's "
                         "vocabulary; another one names the cell <cell>-v<SIZE>")
+    parser.add_argument("--intermediate-size", type=int, default=None, metavar="N",
+                        help="the draft's MLP width (default: the target's, EAGLE3's choice); names the cell <cell>-mlp<N>")
     parser.add_argument("--conversations", type=int, default=None, metavar="N",
                         help="train on the first N training conversations only; names the cell <cell>-c<N>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
@@ -127,10 +129,15 @@ def main() -> None:
     from elsi_fast.training.training_data import conversation_samples
 
     recipe = {**RECIPE, "lr": args.lr, "draft_vocab_size": args.draft_vocab_size}
+    if args.intermediate_size is not None:
+        if args.intermediate_size < 1:
+            raise SystemExit(f"--intermediate-size: expected a positive width, got {args.intermediate_size}")
+        recipe["intermediate_size"] = args.intermediate_size
     if args.conversations is not None and args.conversations < 1:
         raise SystemExit(f"--conversations: expected a positive count, got {args.conversations}")
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
+        ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
         ("" if args.conversations is None else f"-c{args.conversations}")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
@@ -171,7 +178,8 @@ def main() -> None:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
                     warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
                     keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else work / args.init_from,
-                    **recipe)
+                    draft_config={k: v for k, v in recipe.items() if k == "intermediate_size"},
+                    **{k: v for k, v in recipe.items() if k != "intermediate_size"})
         # The data as trained on (the data folder may grow afterwards), and for a continued cell its
         # parent's tokens and steps, which its curve and kept facts count.
         summary = json.loads((cell / SUMMARY_FILE).read_text())

@@ -344,6 +344,26 @@ def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
     return render
 
 
+def long_run_cells(model: str, cells: dict[str, str]) -> Callable[[Results], list[str]]:
+    """Reads tau_k4 of independent long-run cells (label: cell) at their last replayed step, on the
+    sets each was replayed on ("-" elsewhere): a recipe comparison at one budget."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for label, cell in cells.items():
+            rows = [r for r in results.rows(LONG_RUN.file) if r["params"]["cell"] == cell and r["params"]["model"] == model]
+            step = max(r["params"]["step"] for r in rows)
+            replayed = {r["params"]["set"] for r in rows if r["params"]["step"] == step}
+            picked = [LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
+                      if name in replayed else None for name in LONG_RUN_SETS]
+            seen = next(r for r in picked if r)["params"]["tokens_seen"]
+            body.append([label, str(step), f"{seen / 1e6:.2f}M", *(f"{r['value']:.3f}" if r else "-" for r in picked)])
+        return markdown(["cell", "steps", "training tokens seen", "held in (200)", "held out (200)",
+                         "held out, 128 tokens (200)", "Spec-Bench (480)"], body)
+
+    return render
+
+
 def native_target(results: Results) -> list[str]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
     k=1..3 of each file type and thread count."""
@@ -460,6 +480,10 @@ TABLES: tuple[Table, ...] = (
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
           long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000")),
+    Table("long-run-smollm2-capacity", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "the SmolLM2 ELSI m=1 cells with the target's MLP width and twice it, on the first 2,000 conversations",
+          long_run_cells("smollm2-135m-instruct", {"MLP 1536 (the target's)": "elsi-m1-seed0-steps120-c2000",
+                                                   "MLP 3072": "elsi-m1-seed0-steps120-mlp3072-c2000"})),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                                                     "elsi-m1-seed0-steps500+300+300-v8192")),
