@@ -38,20 +38,25 @@ def test_the_cache_holds_each_samples_states_and_final_normed_state(samples, tmp
     assert fc.open_cache(tmp_path).meta == cache.meta
 
 
-def test_an_interrupted_dump_continues_to_the_same_cache(samples, tmp_path, monkeypatch):
-    whole = fc.build(TARGET, samples, [2], tmp_path / "whole", batch_size=2, progress=False)
+def _interrupt_dump(samples, path, monkeypatch, forward_number: int) -> None:
+    """Dump `samples` (layer 2) into `path` in batches of 2, with Ctrl-C in the `forward_number`-th forward."""
     real, calls = TARGET.base_model.forward, []
 
-    def stop_in_third(*args, **kwargs):
+    def stop(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == forward_number:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(TARGET.base_model, "forward", stop_in_third)
+    monkeypatch.setattr(TARGET.base_model, "forward", stop)
     with pytest.raises(KeyboardInterrupt):
-        fc.build(TARGET, samples, [2], tmp_path / "split", batch_size=2, progress=False)
+        fc.build(TARGET, samples, [2], path, batch_size=2, progress=False)
     monkeypatch.setattr(TARGET.base_model, "forward", real)
+
+
+def test_an_interrupted_dump_continues_to_the_same_cache(samples, tmp_path, monkeypatch):
+    whole = fc.build(TARGET, samples, [2], tmp_path / "whole", batch_size=2, progress=False)
+    _interrupt_dump(samples, tmp_path / "split", monkeypatch, 3)
     assert fc.open_cache(tmp_path / "split").meta["done"] == 4 and not fc.open_cache(tmp_path / "split").complete
     resumed = fc.build(TARGET, samples, [2], tmp_path / "split", batch_size=2, progress=False)
     everything = list(range(len(samples)))
@@ -113,18 +118,7 @@ def test_a_complete_cache_serves_a_prefix_of_its_samples_and_some_of_its_layers(
 
 
 def test_a_prefix_needs_the_whole_dump_and_the_digests(samples, tmp_path, monkeypatch):
-    real, calls = TARGET.base_model.forward, []
-
-    def stop_in_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(TARGET.base_model, "forward", stop_in_second)
-    with pytest.raises(KeyboardInterrupt):
-        fc.build(TARGET, samples, [2], tmp_path / "c", batch_size=2, progress=False)
-    monkeypatch.setattr(TARGET.base_model, "forward", real)
+    _interrupt_dump(samples, tmp_path / "c", monkeypatch, 2)
     with pytest.raises(ValueError, match="still dumping; build it with all its samples first"):
         fc.build(TARGET, samples[:3], [2], tmp_path / "c", progress=False)
     fc.build(TARGET, samples, [2], tmp_path / "c", progress=False)
