@@ -39,18 +39,21 @@ _DTYPES = {"float32": (torch.float32, np.float32), "bfloat16": (torch.bfloat16, 
 DEFAULT_MAX_BYTES = 32 << 30
 
 
+def _sample_bytes(sample: Sample) -> bytes:
+    """What identifies a sample: its ids (int32) and loss mask."""
+    return sample.ids.numpy().astype(np.int32).tobytes() + sample.loss_mask.numpy().tobytes()
+
+
 def samples_fingerprint(samples: Sequence[Sample]) -> str:
     digest = hashlib.sha256()
     for sample in samples:
-        digest.update(sample.ids.numpy().astype(np.int32).tobytes())
-        digest.update(sample.loss_mask.numpy().tobytes())
+        digest.update(_sample_bytes(sample))
     return digest.hexdigest()[:32]
 
 
 def sample_digests(samples: Sequence[Sample]) -> list[str]:
-    """One short hash per sample (its ids and loss mask): what tells a prefix of a cache's samples."""
-    return [hashlib.sha256(s.ids.numpy().astype(np.int32).tobytes() + s.loss_mask.numpy().tobytes()).hexdigest()[:16]
-            for s in samples]
+    """One short hash per sample: what tells a prefix of a cache's samples."""
+    return [hashlib.sha256(_sample_bytes(s)).hexdigest()[:16] for s in samples]
 
 
 def target_fingerprint(target) -> str:

@@ -455,21 +455,20 @@ def train_draft(
     source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
     embed = target.get_input_embeddings().weight.detach()
     start = None if init_from is None else _read_continued(init_from, embed)
+    kept = None if start is None else start.draft_to_target(torch.arange(start.config.draft_vocab_size))
     if draft_vocab_coverage is not None:
         if draft_vocab_size is not None:
             raise ValueError("draft_vocab_coverage: give a size or a coverage, not both")
-        kept = None if start is None else start.draft_to_target(torch.arange(start.config.draft_vocab_size))
         draft_vocab_size = draft_vocab_size_for_coverage(predicted, vocab_size, draft_vocab_coverage, kept)
     if draft_vocab_size is None:
         draft_vocab_size = min(vocab_size, 1024) if start is None else start.config.draft_vocab_size
     config = draft_config_for(target, layers, draft_vocab_size, **dict(draft_config or {}))
     if start is not None:
         _check_continued(start, init_from, config)
-    if start is None:
+    if kept is None:
         vocab_ids = draft_vocab_ids(predicted, vocab_size, draft_vocab_size)
     else:
-        vocab_ids = grown_draft_vocab_ids(start.draft_to_target(torch.arange(start.config.draft_vocab_size)),
-                                          predicted, vocab_size, draft_vocab_size)
+        vocab_ids = grown_draft_vocab_ids(kept, predicted, vocab_size, draft_vocab_size)
     # A token outside the draft vocabulary can never be drafted: the share inside caps acceptance.
     coverage = float(torch.isin(predicted, vocab_ids).float().mean()) if predicted.numel() else 1.0
     torch.manual_seed(seed)
