@@ -79,6 +79,24 @@ def keep_steps(steps: int, points: int = 8) -> list[int]:
     return sorted({min(steps, round(first * (steps / first) ** (i / (points - 1)))) for i in range(points)})
 
 
+def continued_from(init_from: str, work: Path) -> tuple[Path, int, int, str]:
+    """(draft folder, tokens seen, steps, cell name) of what --init-from names: a finished cell of
+    `work` (its train summary counts its own parents), or a kept draft folder, whose training.json
+    (bench/keep_draft.py) holds the same counts and the cell it came from."""
+    from elsi_fast.training.train import SUMMARY_FILE
+
+    cell, kept = work / init_from, Path(init_from) / "training.json"
+    if (cell / SUMMARY_FILE).is_file():
+        summary = json.loads((cell / SUMMARY_FILE).read_text())
+        return (cell, summary.get("parent_tokens", 0) + sum(h["tokens"] for h in summary["history"]),
+                summary.get("parent_steps", 0) + summary["history"][-1]["step"], init_from)
+    if kept.is_file():
+        facts = json.loads(kept.read_text())
+        return Path(init_from), facts["tokens_seen"], facts["steps"], Path(facts["source"]).name
+    raise SystemExit(f"--init-from: {init_from} is neither a finished cell of {work} ({SUMMARY_FILE}) "
+                     "nor a kept draft folder (training.json)")
+
+
 def _spec_bench(model, tokenizer, work: Path, keep: Path) -> list[dict]:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, restore_answers
@@ -99,8 +117,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-from", default=None, metavar="CELL",
-                        help="continue a finished cell of this run (its final draft, a fresh schedule of --steps); "
-                        "the new cell is CELL+STEPS and its curve counts CELL's tokens")
+                        help="continue a finished cell of this run, or a kept draft folder (bench/results/drafts/...; "
+                        "a fresh clone has no cells), from its final draft with a fresh schedule of --steps; the new "
+                        "cell is CELL+STEPS (a kept draft: its source cell's name) and its curve counts CELL's tokens")
     parser.add_argument("--lr", type=float, default=RECIPE["lr"],
                         help=f"peak learning rate (default {RECIPE['lr']:g}); another one names the cell <cell>-lr<LR>")
     parser.add_argument("--draft-vocab-size", type=int, default=RECIPE["draft_vocab_size"],
@@ -145,13 +164,8 @@ def main() -> None:
     cell = work / f"{args.set}-seed{args.seed}-steps{args.steps}{recipe_tag}"
     parent_tokens = 0
     if args.init_from is not None:
-        parent = work / args.init_from
-        if not (parent / SUMMARY_FILE).is_file():
-            raise SystemExit(f"--init-from: {parent} holds no finished run ({SUMMARY_FILE})")
-        parent_summary = json.loads((parent / SUMMARY_FILE).read_text())
-        parent_tokens = parent_summary.get("parent_tokens", 0) + sum(h["tokens"] for h in parent_summary["history"])
-        parent_steps = parent_summary.get("parent_steps", 0) + parent_summary["history"][-1]["step"]
-        cell = work / f"{args.init_from}+{args.steps}{recipe_tag}"
+        parent, parent_tokens, parent_steps, parent_name = continued_from(args.init_from, work)
+        cell = work / f"{parent_name}+{args.steps}{recipe_tag}"
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
@@ -177,7 +191,7 @@ def main() -> None:
     if "train" in args.stages:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
                     warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
-                    keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else work / args.init_from,
+                    keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else parent,
                     draft_config={k: v for k, v in recipe.items() if k == "intermediate_size"},
                     **{k: v for k, v in recipe.items() if k != "intermediate_size"})
         # The data as trained on (the data folder may grow afterwards), and for a continued cell its

@@ -22,8 +22,10 @@ using Bytes = py::array_t<uint8_t, py::array::c_style>;
 using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Ids = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// (ggml type id, uint8 array [rows, row bytes], rows, cols) as a QuantMatrix over the array.
-QuantMatrix to_matrix(const py::tuple& t, py::list& keep) {
+// (ggml type id, uint8 array [rows, row bytes], rows, cols) as a QuantMatrix over the array, or with
+// over a copy packed by 8 rows where the type and rows allow (pack_rows8; the products' layout) when
+// `packed` is given, which then holds the copy.
+QuantMatrix to_matrix(const py::tuple& t, py::list& keep, py::list* packed = nullptr) {
   if (t.size() != 4) throw std::invalid_argument("a matrix is (ggml type, uint8 blocks, rows, cols)");
   const int32_t type = t[0].cast<int32_t>();
   Bytes data = t[1].cast<Bytes>();
@@ -34,8 +36,15 @@ QuantMatrix to_matrix(const py::tuple& t, py::list& keep) {
     throw std::invalid_argument("blocks of " + std::to_string(data.size()) + " bytes do not hold a [" +
                                 std::to_string(rows) + ", " + std::to_string(cols) + "] matrix of ggml type " +
                                 std::to_string(type));
-  keep.append(data);
-  return {static_cast<GgmlType>(type), data.data(), rows, cols};
+  QuantMatrix m{static_cast<GgmlType>(type), data.data(), rows, cols};
+  if (packed == nullptr || !packs_rows8(type, rows)) {
+    keep.append(data);
+    return m;
+  }
+  Bytes copy(static_cast<py::ssize_t>(data.size()));
+  pack_rows8(m, copy.mutable_data());
+  packed->append(copy);
+  return {m.type, copy.data(), rows, cols, true};
 }
 
 const float* to_floats(const py::object& o, int64_t size, const char* name, py::list& keep) {
@@ -47,8 +56,14 @@ const float* to_floats(const py::object& o, int64_t size, const char* name, py::
 }
 
 struct BoundTarget {
-  py::list keep;  // the arrays the weights point into
+  py::list keep;  // the arrays the weights point into (the file's map)
+  py::list packed;  // the products' weights packed by 8 rows (a tied head apart from the embedding)
   std::unique_ptr<NativeTarget> target;
+  int64_t packed_bytes() const {
+    int64_t total = 0;
+    for (const py::handle& a : packed) total += a.cast<Bytes>().nbytes();
+    return total;
+  }
 };
 
 // dims and each layer dict hold Gemma 3's extra keys (gemma3, embed_scale, query_scale,
@@ -72,7 +87,7 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
   }
   NativeTargetWeights w;
   w.embed = to_matrix(embed, bound->keep);
-  w.head = to_matrix(head, bound->keep);
+  w.head = to_matrix(head, bound->keep, &bound->packed);
   w.final_norm = to_floats(final_norm, c.hidden, "final_norm", bound->keep);
   Floats freq = inv_freq.cast<Floats>();
   w.inv_freq.assign(freq.data(), freq.data() + freq.size());
@@ -85,10 +100,11 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
     NativeLayer nl{};
     nl.attn_norm = to_floats(l["attn_norm"], c.hidden, "attn_norm", bound->keep);
     nl.ffn_norm = to_floats(l["ffn_norm"], c.hidden, "ffn_norm", bound->keep);
-    nl.q = to_matrix(l["attn_q"], bound->keep), nl.k = to_matrix(l["attn_k"], bound->keep);
-    nl.v = to_matrix(l["attn_v"], bound->keep), nl.o = to_matrix(l["attn_output"], bound->keep);
-    nl.gate = to_matrix(l["ffn_gate"], bound->keep), nl.up = to_matrix(l["ffn_up"], bound->keep);
-    nl.down = to_matrix(l["ffn_down"], bound->keep);
+    py::list* packed = &bound->packed;
+    nl.q = to_matrix(l["attn_q"], bound->keep, packed), nl.k = to_matrix(l["attn_k"], bound->keep, packed);
+    nl.v = to_matrix(l["attn_v"], bound->keep, packed), nl.o = to_matrix(l["attn_output"], bound->keep, packed);
+    nl.gate = to_matrix(l["ffn_gate"], bound->keep, packed), nl.up = to_matrix(l["ffn_up"], bound->keep, packed);
+    nl.down = to_matrix(l["ffn_down"], bound->keep, packed);
     if (c.gemma3) {
       nl.q_norm = to_floats(l["attn_q_norm"], c.head_dim, "attn_q_norm", bound->keep);
       nl.k_norm = to_floats(l["attn_k_norm"], c.head_dim, "attn_k_norm", bound->keep);
@@ -121,13 +137,14 @@ py::tuple forward(BoundTarget& b, const Ids& tokens, const Ids& seqs, const Ids&
   return py::make_tuple(logits, aux);
 }
 
-// x [rows, cols] times each matrix: a list of [rows, matrix rows] arrays (tests and benchmarks).
-py::list quant_linear(const py::list& mats, const Floats& x, int num_threads) {
+// x [rows, cols] times each matrix: a list of [rows, matrix rows] arrays (tests and benchmarks);
+// `packed`: in the forward's layout (packed by 8 rows where it can be).
+py::list quant_linear(const py::list& mats, const Floats& x, int num_threads, bool packed) {
   if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D [rows, cols]");
-  py::list keep, result;
+  py::list keep, copies, result;
   std::vector<QuantMatrix> ms;
   std::vector<float*> ys;
-  for (const py::handle& m : mats) ms.push_back(to_matrix(m.cast<py::tuple>(), keep));
+  for (const py::handle& m : mats) ms.push_back(to_matrix(m.cast<py::tuple>(), keep, packed ? &copies : nullptr));
   for (const QuantMatrix& m : ms) {
     py::array_t<float> y({static_cast<int64_t>(x.shape(0)), m.rows});
     ys.push_back(y.mutable_data());
@@ -167,8 +184,10 @@ void bind_native_target(py::module_& m) {
            py::arg("num_threads"))
       .def("rollback", [](BoundTarget& b, int64_t position, int64_t seq) { b.target->rollback(position, seq); },
            py::arg("position"), py::arg("seq") = 0)
-      .def("length", [](const BoundTarget& b, int64_t seq) { return b.target->length(seq); }, py::arg("seq") = 0);
-  m.def("quant_linear", &quant_linear, py::arg("mats"), py::arg("x"), py::arg("num_threads"));
+      .def("length", [](const BoundTarget& b, int64_t seq) { return b.target->length(seq); }, py::arg("seq") = 0)
+      .def("packed_bytes", &BoundTarget::packed_bytes);
+  m.def("quant_linear", &quant_linear, py::arg("mats"), py::arg("x"), py::arg("num_threads"),
+        py::arg("packed") = false);
   m.def("quantize_input", &quantize, py::arg("x"));
 }
 

@@ -30,12 +30,14 @@ constexpr int64_t kQuantBlock = 32;
 int64_t ggml_block_cols(int32_t type);
 int64_t ggml_block_bytes(int32_t type);
 
-// W [rows, cols] (cols a multiple of its type's block columns), each row's blocks back to back.
+// W [rows, cols] (cols a multiple of its type's block columns), each row's blocks back to back, or
+// with `rows8` packed by pack_rows8.
 struct QuantMatrix {
   GgmlType type;
   const uint8_t* data;
   int64_t rows;
   int64_t cols;
+  bool rows8 = false;
   int64_t row_bytes() const {
     return cols / ggml_block_cols(static_cast<int32_t>(type)) * ggml_block_bytes(static_cast<int32_t>(type));
   }
@@ -49,15 +51,31 @@ struct QuantInput {
   std::vector<float> d;   // [rows, cols / 32] scales
   std::vector<float> s;   // [rows, cols / 32] d * sum(q) (Q4_1's minimum multiplies it)
   std::vector<float> s8;  // s by groups of 8 rows, [ceil(rows / 8), cols / 32, 8], zero padded
+  std::vector<int32_t> qsum;  // [rows, cols / 32] sum(q)
 };
 
 void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out);
+
+// Weights packed by 8 rows, for the products of a whole forward (the file layout stays for
+// lookups). Decode is bound by the work per input row, not by memory: read row by row, every
+// block of every input row takes a multiply-add, a conversion, the scales and a horizontal sum
+// per weight row, so a 5-token verify cost 2.3x one token. Packed, lane i of a vector is weight row
+// i: 8 rows' products of 4 columns are one multiply-add against 4 broadcast input bytes, and the
+// scales apply to 8 rows at once. Same bytes per row as the file: a group of 8 rows is, per
+// 32-column block, the 8 fp16 scales d, Q4_1's 8 fp16 minimums, then the quants as 32-byte vectors
+// [4 columns][8 rows][4 bytes]: Q8_0 columns 4j .. 4j + 3 in vector j < 8; Q4_0 / Q4_1 nibble
+// bytes 4j .. 4j + 3 in vector j < 4 (low nibbles columns 4j.., high ones 16 + 4j..).
+// Packable: Q4_0, Q4_1 and Q8_0 with rows a multiple of 8.
+bool packs_rows8(int32_t type, int64_t rows);
+// m (file layout, packable) into out (m.row_bytes() * m.rows bytes); the packed matrix is
+// {m.type, out, m.rows, m.cols, true}.
+void pack_rows8(const QuantMatrix& m, uint8_t* out);
 
 // ys[i] [x.rows, mats[i].rows] = x mats[i]^T for i < n, one job on the thread pool (products that
 // share an input, as Q, K and V do, share a job). Quantized matrices only; cols must match x.cols.
 void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads);
 
-// One row of W as fp32 (an embedding lookup); F32 and F16 rows too.
+// One row of W as fp32 (an embedding lookup); F32 and F16 rows too; file layout only.
 void dequantize_row(const QuantMatrix& m, int64_t row, float* out);
 
 }  // namespace elsi_fast

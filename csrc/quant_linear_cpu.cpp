@@ -4,9 +4,10 @@
 // Decode at batch 1 is memory-bound: a weight row is read once for all input rows (up to
 // kMaxRows at a time; more rows take further passes over the row, from L1). Work items are runs
 // of consecutive weight rows of about kChunkBytes, so each thread streams memory sequentially.
-// Per input row and block the AVX2 kernel costs about as much as reading the block (a load, two
-// multiply-adds, a conversion, the scale and an FMA), so extra rows are not free: a 5-row product
-// costs about 2.3x a 1-row one (docs/native-target.md).
+// Read row by row (the file layout), per input row and block the kernel costs about as much as
+// reading the block (a load, two multiply-adds, a conversion, the scale and an FMA), so a 5-row
+// product cost about 2.3x a 1-row one; Q4_0, Q4_1 and Q8_0 matrices of the forward are therefore
+// packed by 8 rows (pack_rows8, quant_dots_rows8.inc; docs/native-target.md).
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -63,7 +64,48 @@ void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t 
 template <GgmlType T>
 constexpr DotsFn kScalarDots[kMaxRows + 1] = {nullptr, dots_scalar<T>};
 
+// Bytes of a packed group's block before its quants (8 fp16 scales, and Q4_1's 8 minimums).
+template <GgmlType T>
+constexpr int64_t kRows8Head = T == GgmlType::kQ4_1 ? 32 : 16;
+
+// Weight q of row i, column c of a packed group's block (the integer code as the file stores it).
+template <GgmlType T>
+inline int32_t weight8_at(const uint8_t* block, int i, int64_t c) {
+  const uint8_t* q = block + kRows8Head<T>;
+  if constexpr (T == GgmlType::kQ8_0) return static_cast<int8_t>(q[32 * (c / 4) + 4 * i + c % 4]);
+  const int64_t j = c % 16;  // the nibble byte
+  const uint8_t byte = q[32 * (j / 4) + 4 * i + j % 4];
+  const int32_t code = c < 16 ? byte & 0x0F : byte >> 4;
+  return T == GgmlType::kQ4_0 ? code - 8 : code;
+}
+
+// The packed kernels' arithmetic, one row at a time: exact integer block sums, then per weight row
+// acc = fma(d * xd, sum, acc) and Q4_1's mins = fma(m, xs, mins) in block order; out = acc + mins.
+template <GgmlType T>
+void dots8_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
+  constexpr int64_t kBytes = 8 * (T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18);
+  const int64_t nb = x.cols / kQuantBlock;
+  float acc[8] = {}, mins[8] = {};
+  for (int64_t b = 0; b < blocks; ++b, w += kBytes) {
+    const int8_t* xq = x.q.data() + m0 * x.cols + b * kQuantBlock;
+    const float xd = x.d[m0 * nb + b];
+    for (int i = 0; i < 8; ++i) {
+      int32_t sum = 0;
+      for (int64_t c = 0; c < kQuantBlock; ++c) sum += weight8_at<T>(w, i, c) * xq[c];
+      acc[i] = std::fma(half_bits(w + 2 * i) * xd, static_cast<float>(sum), acc[i]);
+      if constexpr (T == GgmlType::kQ4_1) mins[i] = std::fma(half_bits(w + 16 + 2 * i), x.s[m0 * nb + b], mins[i]);
+    }
+  }
+  for (int i = 0; i < 8; ++i) out[i] = acc[i] + mins[i];
+}
+
+template <GgmlType T>
+constexpr DotsFn kScalarDots8[kMaxRows + 1] = {nullptr, dots8_scalar<T>};
+
 #define ELSI_ISA_KERNELS "quant_dots.inc"
+#include "isa_variants.inc"
+#undef ELSI_ISA_KERNELS
+#define ELSI_ISA_KERNELS "quant_dots_rows8.inc"
 #include "isa_variants.inc"
 #undef ELSI_ISA_KERNELS
 
@@ -72,13 +114,18 @@ struct Kernels {
   const char* isa;  // quant_kquants_cpu.cpp's tables of the other types (quant::more_dots)
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
+  const DotsFn* dots8[3];  // the same over packed groups of 8 weight rows
 };
 const Kernels kScalar{"scalar", 1,
-                      {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>}};
+                      {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>},
+                      {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>}};
 const Kernels kAvx2{"avx2", kMaxRows,
-                    {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>}};
+                    {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>},
+                    {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>}};
 const Kernels kAvx512{"avx512", kMaxRows,
-                      {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>}};
+                      {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>},
+                      {avx512::kDots8<GgmlType::kQ4_0>, avx512::kDots8<GgmlType::kQ4_1>,
+                       avx512::kDots8<GgmlType::kQ8_0>}};
 
 const Kernels& active_kernels() {
   const char* isa = cpu_isa();
@@ -87,8 +134,10 @@ const Kernels& active_kernels() {
   return kScalar;
 }
 
-// The kernel table of a weight type for the active instruction set.
-const DotsFn* dots_for(const Kernels& k, GgmlType t) {
+// The kernel table of a matrix for the active instruction set.
+const DotsFn* dots_for(const Kernels& k, const QuantMatrix& m) {
+  const GgmlType t = m.type;
+  if (m.rows8) return k.dots8[t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : 2];  // packs_rows8 types
   switch (t) {
     case GgmlType::kQ4_0: return k.dots[0];
     case GgmlType::kQ4_1: return k.dots[1];
@@ -124,12 +173,23 @@ void run_chunk(void* ctx, int64_t i) {
   const QuantMatrix& w = c.mats[ch.mat];
   const DotsFn* dots = c.dots[ch.mat];
   const int64_t row_bytes = w.row_bytes(), blocks = w.cols / kQuantBlock, rows = c.x->rows;
+  float* y = c.ys[ch.mat];
+  if (w.rows8) {  // chunks start and end on groups of 8 rows
+    float out[kMaxRows * 8];
+    for (int64_t r = ch.row0; r < ch.row1; r += 8)
+      for (int64_t m0 = 0; m0 < rows; m0 += c.k->block) {
+        const int b = static_cast<int>(std::min<int64_t>(c.k->block, rows - m0));
+        dots[b](w.data + r * row_bytes, blocks, *c.x, m0, out);
+        for (int m = 0; m < b; ++m) std::copy(out + 8 * m, out + 8 * m + 8, y + (m0 + m) * w.rows + r);
+      }
+    return;
+  }
   float out[kMaxRows];
   for (int64_t r = ch.row0; r < ch.row1; ++r)
     for (int64_t m0 = 0; m0 < rows; m0 += c.k->block) {
       const int b = static_cast<int>(std::min<int64_t>(c.k->block, rows - m0));
       dots[b](w.data + r * row_bytes, blocks, *c.x, m0, out);
-      for (int m = 0; m < b; ++m) c.ys[ch.mat][(m0 + m) * w.rows + r] = out[m];
+      for (int m = 0; m < b; ++m) y[(m0 + m) * w.rows + r] = out[m];
     }
 }
 
@@ -160,6 +220,7 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
   out.rows = rows, out.cols = cols;
   out.q.resize(rows * cols), out.d.resize(rows * nb), out.s.resize(rows * nb);
   out.s8.assign((rows + kMaxRows - 1) / kMaxRows * nb * kMaxRows, 0.f);
+  out.qsum.resize(rows * nb);
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* xb = x + i * kQuantBlock;
     float amax = 0.f;
@@ -172,6 +233,7 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
       sum += q;
     }
     out.d[i] = d;
+    out.qsum[i] = sum;
     out.s[i] = d * static_cast<float>(sum);
     const int64_t row = i / nb, b = i % nb;
     out.s8[(row / kMaxRows * nb + b) * kMaxRows + row % kMaxRows] = out.s[i];
@@ -181,17 +243,42 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
 void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads) {
   Call call{mats, ys, &x, &active_kernels(), {}, {}};
   for (int i = 0; i < n; ++i) {
-    call.dots.push_back(dots_for(*call.k, mats[i].type));
+    call.dots.push_back(dots_for(*call.k, mats[i]));
     if (mats[i].cols != x.cols)
       throw std::invalid_argument("quant_linear: weight has " + std::to_string(mats[i].cols) + " columns, input " +
                                   std::to_string(x.cols));
-    const int64_t step = std::max<int64_t>(1, kChunkBytes / mats[i].row_bytes());
+    const int64_t group = mats[i].rows8 ? 8 : 1;
+    const int64_t step = std::max<int64_t>(1, kChunkBytes / mats[i].row_bytes() / group) * group;
     for (int64_t r = 0; r < mats[i].rows; r += step) call.chunks.push_back({i, r, std::min(mats[i].rows, r + step)});
   }
   run_parallel(num_threads, static_cast<int64_t>(call.chunks.size()), run_chunk, &call);
 }
 
+bool packs_rows8(int32_t type, int64_t rows) {
+  const GgmlType t = static_cast<GgmlType>(type);
+  return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ8_0) && rows % 8 == 0;
+}
+
+void pack_rows8(const QuantMatrix& m, uint8_t* out) {
+  if (m.rows8 || !packs_rows8(static_cast<int32_t>(m.type), m.rows))
+    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1 or Q8_0 matrix in file layout with rows a multiple of 8");
+  const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type)), blocks = m.cols / kQuantBlock;
+  const int64_t head = m.type == GgmlType::kQ4_1 ? 4 : 2;  // fp16 values before a file block's quants
+  const int64_t quants = bytes - head;                      // 32 (Q8_0) or 16 nibble bytes
+  for (int64_t g = 0; g < m.rows / 8; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* dst = out + (g * blocks + b) * 8 * bytes;
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + b * bytes;
+        std::memcpy(dst + 2 * i, src, 2);                          // d
+        if (head == 4) std::memcpy(dst + 16 + 2 * i, src + 2, 2);  // Q4_1's minimum
+        for (int64_t j = 0; j < quants / 4; ++j) std::memcpy(dst + 8 * head + 32 * j + 4 * i, src + head + 4 * j, 4);
+      }
+    }
+}
+
 void dequantize_row(const QuantMatrix& m, int64_t row, float* out) {
+  if (m.rows8) throw std::invalid_argument("dequantize_row: a packed matrix (look rows up in the file layout)");
   if (quant::dequantize_more_row(m, row, out)) return;
   const uint8_t* p = m.data + row * m.row_bytes();
   const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type));

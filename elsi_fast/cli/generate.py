@@ -133,7 +133,8 @@ def handler(args: argparse.Namespace) -> int:
     if draft is not None:
         line += f", draft k={args.k}, tau {(totals['accepted'] + totals['rounds']) / max(totals['rounds'], 1):.3f}"
     print(line + ")")
-    print(f"memory: weights {native.weights.weight_bytes() / 2**20:.0f} MiB as mapped from the file, KV cache "
+    print(f"memory: weights {native.weights.weight_bytes() / 2**20:.0f} MiB as mapped from the file, "
+          f"{native.packed_weight_bytes() / 2**20:.0f} MiB of them packed for the products, KV cache "
           f"{native.kv_cache_bytes() / 2**20:.0f} MiB ({native.capacity} positions)")
     if args.compare_greedy:
         greedy_speed = totals["tokens"] / totals["greedy_seconds"]

@@ -78,6 +78,11 @@ class NativeForward:
         self._check_sequence(sequence)
         return self._native.length(sequence)
 
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the products' weights packed by 8 rows in memory (csrc/quant_linear.h, pack_rows8):
+        the Q4_0 / Q4_1 / Q8_0 matrices, a tied head apart from the embedding its lookups read."""
+        return self._native.packed_bytes()
+
     def kv_cache_bytes(self) -> int:
         w = self.weights
         return 2 * 4 * w.layers * w.kv_heads * self.capacity * w.head_dim * self.sequences

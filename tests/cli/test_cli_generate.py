@@ -26,12 +26,15 @@ def smollm2():
 
 
 def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
-    assert main(["generate", "--target", smollm2, "--prompt", "What is the capital of France?",
+    # The answer's tokens lead their runners-up by 0.6 logits or more, several times the int8
+    # activations' mean logit error (0.17, docs/native-target.md): no near tie decides it.
+    assert main(["generate", "--target", smollm2, "--prompt", "What is the capital of France? Answer in one word.",
                  "--max-new-tokens", "12", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "### What is the capital of France?" in out and "Paris" in out
+    assert "### What is the capital of France? Answer in one word.\nThe capital of France is Paris." in out
     assert "1 prompts," in out and "tokens/s (1 threads)" in out
-    assert "memory: weights 92 MiB as mapped from the file, KV cache " in out
+    # every matrix of the products but the embedding (lookups) is packed; the tied head apart from it
+    assert "memory: weights 92 MiB as mapped from the file, 92 MiB of them packed for the products, KV cache " in out
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Name three colors.\n\n{"prompt": "Count to five."}\n')
     assert main(["generate", "--target", smollm2, "--draft", KEPT_DRAFT, "--prompts", str(prompts), "-k", "2",

@@ -14,8 +14,9 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-# (rows, cols): one block, odd row counts, a row wider than a chunk's share of rows.
-SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536)]
+# (rows, cols): one block, odd row counts, a row wider than a chunk's share of rows; and row counts
+# of whole groups of 8, which the forward's layout packs (pack_rows8; packed=True leaves the others).
+SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536), (8, 32), (64, 608), (304, 1536)]
 
 
 def make_matrix(rows: int, cols: int, name: str, seed: int) -> tuple[tuple, np.ndarray]:
@@ -48,15 +49,16 @@ def test_input_quantization_matches_its_definition():
     np.testing.assert_allclose(s, d * q.reshape(3, -1, 32).sum(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_products_match_float64(name, shape, cpu_isa):
+def test_products_match_float64(name, shape, packed, cpu_isa):
     rows, cols = shape
     matrix, dense = make_matrix(rows, cols, name, seed=rows * cols)
     rng = np.random.default_rng(rows)
     for n in (1, 3, 8, 11):
         x = rng.standard_normal((n, cols)).astype(np.float32)
-        (y,) = _C.quant_linear([matrix], x, 2)
+        (y,) = _C.quant_linear([matrix], x, 2, packed=packed)
         ref = quantized_input(x) @ dense.T
         # fp32 accumulation of exact block sums: error far below one unit of the terms' magnitude
         bound = 1e-5 * (np.abs(quantized_input(x)) @ np.abs(dense).T)
@@ -67,16 +69,55 @@ def test_products_match_float64(name, shape, cpu_isa):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("rows, packed", [(301, False), (304, True)], ids=["file", "packed"])
 @pytest.mark.parametrize("name", TYPES)
-def test_rows_are_bitwise_independent(name, cpu_isa):
-    matrix, _ = make_matrix(301, 608, name, seed=5)
+def test_rows_are_bitwise_independent(name, rows, packed, cpu_isa):
+    matrix, _ = make_matrix(rows, 608, name, seed=5)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((9, 608)).astype(np.float32)
-    alone = np.concatenate([_C.quant_linear([matrix], x[i:i + 1], 1)[0] for i in range(9)])
+    alone = np.concatenate([_C.quant_linear([matrix], x[i:i + 1], 1, packed=packed)[0] for i in range(9)])
     for n in range(2, 10):
         for threads in (1, 2):
-            (y,) = _C.quant_linear([matrix], x[:n], threads)
+            (y,) = _C.quant_linear([matrix], x[:n], threads, packed=packed)
             np.testing.assert_array_equal(y, alone[:n])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_packed_products_are_the_same_on_every_instruction_set(name):
+    """The packed kernels' integer block sums are exact and their fp32 steps the same on each path
+    (csrc/quant_dots_rows8.inc), so every path this CPU has gives the scalar path's bits."""
+    matrix, _ = make_matrix(64, 608, name, seed=7)
+    x = np.random.default_rng(8).standard_normal((5, 608)).astype(np.float32)
+    x[2] *= 50  # large inputs: the extreme codes (|q| = 127) in every block
+    previous = _C.cpu_isa()
+    try:
+        results = {isa: _C.quant_linear([matrix], x, 2, packed=True)[0] for isa in ("scalar", "avx2", "avx512")
+                   if _C.set_cpu_isa(isa)}
+    finally:
+        _C.set_cpu_isa(previous)
+    for isa, y in results.items():
+        np.testing.assert_array_equal(y, results["scalar"], err_msg=isa)
+
+
+def test_packing_keeps_extreme_q8_codes():
+    """Q8_0 codes -128 and 127 (a file may hold -128 though gguf never writes it): the VNNI path's
+    offset (w + 128) and the AVX2 path's |w| <= 128 both keep the block sums exact."""
+    rows, cols = 8, 64
+    blocks = np.zeros((rows, cols // 32, 34), np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    codes = np.random.default_rng(9).choice(np.array([-128, 127, -1, 0], np.int8), (rows, cols // 32, 32))
+    blocks[..., 2:] = codes.view(np.uint8)
+    x = np.full((2, cols), -127.0, np.float32)  # scale 1, codes -127: the largest products of each sign
+    x[1] = 127.0
+    expected = 0.5 * (x.astype(np.float64) @ codes.reshape(rows, cols).astype(np.float64).T)
+    previous = _C.cpu_isa()
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if _C.set_cpu_isa(isa):
+                (y,) = _C.quant_linear([(8, blocks.reshape(rows, -1), rows, cols)], x, 1, packed=True)
+                np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
+    finally:
+        _C.set_cpu_isa(previous)
 
 
 def test_matrices_sharing_an_input_equal_separate_calls():
