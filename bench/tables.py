@@ -47,12 +47,19 @@ class Results:
 
 
 def _matches(row: Row, where: Mapping[str, Any]) -> bool:
-    # A tuple lists the accepted values; top-level keys are the row's own, the rest its params.
+    # A tuple lists the accepted values, a callable accepts what it returns true for; top-level keys
+    # are the row's own, the rest its params.
     for key, wanted in where.items():
         have = row.get(key) if key in TOP_LEVEL_KEYS else row["params"].get(key)
-        if not (have in wanted if isinstance(wanted, tuple) else have == wanted):
+        ok = have in wanted if isinstance(wanted, tuple) else wanted(have) if callable(wanted) else have == wanted
+        if not ok:
             return False
     return True
+
+
+# The vector instruction sets a CPU row was measured with (bench.common.device_name writes them in
+# brackets): issue 36 reports AVX-512 (Zen 4) and AVX2-only (Zen 2 / 3) machines side by side.
+CPU_KINDS = (("AVX-512", lambda device: "avx512" in device), ("AVX2", lambda device: "avx512" not in device))
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,8 @@ def headline(results: Results) -> list[str]:
          faster(ggml["ratio"], ggml["params"]["ms"], ggml["baseline"], "ms"), [ggml]),
         ("SmolLM2 verify forward of 5 tokens, 1 thread, target runtime bf16 + compile", "`torch.compile` of the eager model",
          faster(compile_["value"] / runtime["value"], runtime["value"], compile_["value"], "ms"), [runtime, compile_]),
-        ("Gemma 3 decoding, native GGUF forward + kept m=1 draft, k=2, 1 thread, 2 prompts", "llama.cpp's greedy, 1 thread",
+        (f"Gemma 3 decoding, native GGUF forward + kept m=1 draft, k=2, 1 thread, {spec['params']['prompts']} prompts",
+         "llama.cpp's greedy, 1 thread",
          faster(spec["ratio"], spec["value"], spec["baseline"], f"tokens/s, tau {spec['params']['tau']:.2f}"), [spec]),
         ("SmolLM2 greedy decoding, native GGUF forward (Q4_1 file), 2 threads", "llama.cpp's greedy (`llama-bench` tg)",
          faster(native["ratio"], native["value"], native["baseline"], "tokens/s"), [native]),
@@ -368,17 +376,19 @@ def native_target(results: Results) -> list[str]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
     k=1..3 of each file type and thread count."""
     body = []
-    for kind in ("Q4_1", "Q8_0"):
-        for threads in (1, 2):
-            greedy = NATIVE.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}")
-            verify = NATIVE.pick(results, f"verify_cost/{kind}/threads={threads}/T=5")
-            drafts = [NATIVE.pick(results, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}") for k in (1, 2, 3)]
-            body.append([kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}", x(greedy["ratio"]),
-                         x(verify["value"]),
-                         " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
-                         f"{drafts[0]['params']['tau']:.2f}-{drafts[-1]['params']['tau']:.2f}"])
-    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens",
-                     "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
+    for cpu, on in CPU_KINDS:
+        for kind in ("Q4_1", "Q8_0"):
+            for threads in (1, 2):
+                greedy = NATIVE.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}", device=on)
+                verify = NATIVE.pick(results, f"verify_cost/{kind}/threads={threads}/T=5", device=on)
+                drafts = [NATIVE.pick(results, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", device=on)
+                          for k in (1, 2, 3)]
+                body.append([cpu, kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
+                             x(greedy["ratio"]), x(verify["value"]),
+                             " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
+                             f"{drafts[0]['params']['tau']:.2f}-{drafts[-1]['params']['tau']:.2f}"])
+    return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
+                     "verify 5 / 1 tokens", "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
 
 
 NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"model": "gemma3-270m", "tokens": 128})
@@ -388,18 +398,20 @@ def native_target_gemma3(results: Results) -> list[str]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
     k=1..3 (the kept Gemma draft) of the Gemma 3 package file (type Q4_K_M) at each thread count."""
     body = []
-    for threads in (1, 2):
-        greedy = NATIVE_GEMMA3.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}")
-        verify = NATIVE_GEMMA3.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5")
-        drafts = [NATIVE_GEMMA3.pick(results, f"draft_tokens_per_s/Q4_K_M/threads={threads}/k={k}") for k in (1, 2, 3)]
-        body.append(["Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}", x(greedy["ratio"]),
-                     x(verify["value"]),
-                     " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
-                     f"{drafts[0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
-                     " / ".join(f"{d['params']['tau']:.2f}" for d in drafts)])
-    return markdown(["file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio", "verify 5 / 1 tokens",
-                     "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "native greedy, same prompts",
-                     "tau"], body)
+    for cpu, on in CPU_KINDS:
+        for threads in (1, 2):
+            greedy = NATIVE_GEMMA3.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}", device=on)
+            verify = NATIVE_GEMMA3.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5", device=on)
+            drafts = [NATIVE_GEMMA3.pick(results, f"draft_tokens_per_s/Q4_K_M/threads={threads}/k={k}", device=on)
+                      for k in (1, 2, 3)]
+            body.append([cpu, "Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
+                         x(greedy["ratio"]), x(verify["value"]),
+                         " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
+                         f"{drafts[0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
+                         " / ".join(f"{d['params']['tau']:.2f}" for d in drafts)])
+    return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
+                     "verify 5 / 1 tokens", "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)",
+                     "native greedy, same prompts", "tau"], body)
 
 
 REGENERATE = Source("regenerate_engines_cpu.jsonl", "regenerate_greedy")
