@@ -423,9 +423,10 @@ def regenerate_engines(results: Results) -> list[str]:
     for model in ("smollm2-135m-instruct", "gemma3-270m"):
         row = REGENERATE.pick(results, "new_tokens_per_s/native", model=model, threads=1)
         p = row["params"]
-        body.append([model, p["file"], str(p["prompts"]), f"{row['baseline']:.1f}", f"{row['value']:.1f}",
+        cpu = next(name for name, on in CPU_KINDS if on(row["device"]))
+        body.append([model, cpu, p["file"], str(p["prompts"]), f"{row['baseline']:.1f}", f"{row['value']:.1f}",
                      x(row["ratio"]), p["answers_equal"]])
-    return markdown(["target", "file", "prompts", "llama-server, 16 slots (new tokens/s)",
+    return markdown(["target", "CPU", "file", "prompts", "llama-server, 16 slots (new tokens/s)",
                      "native, 8 sequences per forward", "ratio", "answers equal"], body)
 
 

@@ -46,9 +46,13 @@ inline int32_t weight_at(const uint8_t* block, int64_t c) {
   return T == GgmlType::kQ4_0 ? q - 8 : q;
 }
 
+// Bytes of one file block of T.
+template <GgmlType T>
+constexpr int64_t kBlockBytes = T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18;
+
 template <GgmlType T>
 void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
-  constexpr int64_t kBytes = T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18;
+  constexpr int64_t kBytes = kBlockBytes<T>;
   const int64_t nb = x.cols / kQuantBlock;
   float acc = 0.f, mins = 0.f;
   for (int64_t b = 0; b < blocks; ++b, w += kBytes) {
@@ -64,7 +68,10 @@ void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t 
 template <GgmlType T>
 constexpr DotsFn kScalarDots[kMaxRows + 1] = {nullptr, dots_scalar<T>};
 
-// Bytes of a packed group's block before its quants (8 fp16 scales, and Q4_1's 8 minimums).
+// Bytes of a packed group's block (8 file blocks), and of its head before the quants (8 fp16
+// scales, and Q4_1's 8 minimums).
+template <GgmlType T>
+constexpr int64_t kRows8Bytes = 8 * kBlockBytes<T>;
 template <GgmlType T>
 constexpr int64_t kRows8Head = T == GgmlType::kQ4_1 ? 32 : 16;
 
@@ -83,10 +90,9 @@ inline int32_t weight8_at(const uint8_t* block, int i, int64_t c) {
 // acc = fma(d * xd, sum, acc) and Q4_1's mins = fma(m, xs, mins) in block order; out = acc + mins.
 template <GgmlType T>
 void dots8_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
-  constexpr int64_t kBytes = 8 * (T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18);
   const int64_t nb = x.cols / kQuantBlock;
   float acc[8] = {}, mins[8] = {};
-  for (int64_t b = 0; b < blocks; ++b, w += kBytes) {
+  for (int64_t b = 0; b < blocks; ++b, w += kRows8Bytes<T>) {
     const int8_t* xq = x.q.data() + m0 * x.cols + b * kQuantBlock;
     const float xd = x.d[m0 * nb + b];
     for (int i = 0; i < 8; ++i) {
