@@ -11,6 +11,9 @@ continuations, restored from the draft experiment's kept answers (the same conti
 `eval-draft --max-new-tokens 128` generates, so the replayed tau is the live one; docs/method.md).
 "held-out-128" is the held-out set cut to its answers' first 128 tokens, Spec-Bench's length: tau
 grows along an answer, so it separates the prompts' share of the Spec-Bench gap from the length's.
+"held-out-openings": 200 conversations whose user turns were sampled after a task opening
+(`regenerate --instruction-openings`), held out once the data first has 400 such: how the drafts
+fare on the kinds of task Spec-Bench asks for, in the target's own words.
 `--conversations N` trains on the first N training conversations only (a cell whose layers cost a
 new feature cache, e.g. the m=3 sets, on a budget; a complete longer cache of the layers serves them).
 
@@ -39,7 +42,7 @@ KEEP = ROOT / "bench" / "results" / "draft_experiment"  # sets.json and eval.ans
 MAX_TOKENS = 512
 HELD = 200  # conversations in each of the held-in and held-out sets
 SPEC_BENCH_TOKENS = 128  # the Spec-Bench continuations' length, which held-out-128 cuts answers to
-CURVE_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
+CURVE_SETS = ("held-in", "held-out", "held-out-128", "spec-bench", "held-out-openings")
 KS = (1, 2, 3, 4, 5)
 RECIPE = {"init": "random", "draft_vocab_size": 4096, "ttt_steps": 3, "batch_size": 16, "lr": 3e-3}
 
@@ -54,7 +57,18 @@ def split(records: list[dict], seed: int = 0) -> tuple[list[dict], list[dict], l
     return train, held_in, [records[i] for i in held_out]
 
 
-def held_sets(records: list[dict], keep: Path, seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+def opening_batch_ids(records: list[dict], data: Path) -> list[str]:
+    """Ids of the conversations whose user turn was sampled after a task opening (`regenerate
+    --instruction-openings`: self_instruct.json names the first such batch; ids are si-<seed>-<batch>-<j>)."""
+    settings = data / "self_instruct.json"
+    openings = json.loads(settings.read_text()).get("openings") if settings.is_file() else None
+    if openings is None:
+        return []
+    return [r["id"] for r in records if r["id"].startswith("si-") and int(r["id"].split("-")[2]) >= openings["from_batch"]]
+
+
+def held_sets(records: list[dict], keep: Path, seed: int = 0,
+              opening_ids: list[str] | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """`split`, fixed at the run's first data: the held sets' ids are kept in the repository
     (keep/long-run-split-seedN.json), so conversations appended to the data later (a longer
     `regenerate` run) all go to training and a continued run, on this machine or a fresh clone, is
@@ -64,13 +78,29 @@ def held_sets(records: list[dict], keep: Path, seed: int = 0) -> tuple[list[dict
         _, held_in, held_out = split(records, seed)
         path.write_text(json.dumps({"held-in": [r["id"] for r in held_in], "held-out": [r["id"] for r in held_out]}))
     ids = json.loads(path.read_text())
+    held = set(ids["held-in"]) | set(ids["held-out"])
+    candidates = [i for i in opening_ids or () if i not in held]
+    if "held-out-openings" not in ids and len(candidates) >= 2 * HELD:
+        # The first data sampled after task openings (opening_ids, in data order): HELD of them held
+        # out for good, fixed the first time there are twice as many, so cells trained later on
+        # opening data are measured on unseen ones.
+        ids["held-out-openings"] = sorted(random.Random(seed + 2).sample(candidates, HELD))
+        path.write_text(json.dumps(ids))
     by_id = {r["id"]: r for r in records}
-    missing = [i for i in ids["held-in"] + ids["held-out"] if i not in by_id]
+    held = ids["held-in"] + ids["held-out"] + ids.get("held-out-openings", [])
+    missing = [i for i in held if i not in by_id]
     if missing:
         raise SystemExit(f"--data: {len(missing)} conversations of {path} are not in the data (first {missing[0]})")
-    out = set(ids["held-out"])
+    out = set(ids["held-out"]) | set(ids.get("held-out-openings", []))
     return ([r for r in records if r["id"] not in out], [by_id[i] for i in ids["held-in"]],
             [by_id[i] for i in ids["held-out"]])
+
+
+def held_out_openings(records: list[dict], keep: Path, seed: int = 0) -> list[dict]:
+    """The held-out conversations sampled after task openings (`held_sets`), or none yet."""
+    ids = json.loads((keep / f"long-run-split-seed{seed}.json").read_text()).get("held-out-openings", [])
+    by_id = {r["id"]: r for r in records}
+    return [by_id[i] for i in ids]
 
 
 def keep_steps(steps: int, points: int = 8) -> list[int]:
@@ -129,11 +159,16 @@ def main() -> None:
                         help="the draft's MLP width (default: the target's, EAGLE3's choice); names the cell <cell>-mlp<N>")
     parser.add_argument("--conversations", type=int, default=None, metavar="N",
                         help="train on the first N training conversations only; names the cell <cell>-c<N>")
+    parser.add_argument("--openings-only", action="store_true",
+                        help="train on the conversations sampled after task openings only; names the cell <cell>-openings")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=list(CURVE_SETS), choices=CURVE_SETS,
                         help="the evaluation sets the curve stage replays")
     parser.add_argument("--curve-steps", type=int, nargs="+", default=None,
                         help="only these kept steps (default: every kept one)")
+    parser.add_argument("--curve-draft", default=None, metavar="KEPT",
+                        help="the curve stage replays this kept draft folder (bench/results/drafts/...) instead of a "
+                        "cell's checkpoints, its rows under its source cell and final step (e.g. a new evaluation set)")
     parser.add_argument("--note", default="", help="conditions to record in the rows (e.g. another job beside)")
     args = parser.parse_args()
 
@@ -157,7 +192,7 @@ def main() -> None:
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
         ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
-        ("" if args.conversations is None else f"-c{args.conversations}")
+        ("" if args.conversations is None else f"-c{args.conversations}") + ("-openings" if args.openings_only else "")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
@@ -169,12 +204,20 @@ def main() -> None:
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
-    train, held_in, held_out = held_sets(records, keep, args.seed)
+    opening_ids = opening_batch_ids(records, Path(args.data))
+    train, held_in, held_out = held_sets(records, keep, args.seed, opening_ids)
+    if args.openings_only:
+        opening = set(opening_ids)
+        train = [r for r in train if r["id"] in opening]
+        if not train:
+            raise SystemExit(f"--openings-only: {args.data} holds no conversations sampled after task openings")
     train = train[: args.conversations]
     samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
     evaluation = {"held-in": held_in, "held-out": held_out,
                   "held-out-128": [{**r, "response_ids": list(r["response_ids"])[:SPEC_BENCH_TOKENS]} for r in held_out],
                   "spec-bench": _spec_bench(model, tokenizer, work, keep)}
+    if openings := held_out_openings(records, keep, args.seed):
+        evaluation["held-out-openings"] = openings
     caches = {}
     if "cache" in args.stages or "train" in args.stages:
         # The training states come from the target in bf16 where the CPU multiplies bf16 natively
@@ -213,33 +256,42 @@ def main() -> None:
     trained_on = summary.get("conversations", len(train))  # the data may have grown since
     tokens_at = {h["step"]: parent_tokens + sum(x["tokens"] for x in history[: h["step"]]) for h in history}
     results = ROOT / "bench" / "results" / f"{RESULTS}.jsonl"
-    done = set()
-    if results.is_file():
-        for line in results.read_text().splitlines():
-            p = json.loads(line)["params"]
-            done.add((p["cell"], p["step"], p["set"]))
+    earlier = [json.loads(line)["params"] for line in results.read_text().splitlines()] if results.is_file() else []
+    done = {(p["cell"], p["step"], p["set"]) for p in earlier}
+    facts = {"layers": layers, "recipe": recipe, "steps": args.steps, "init_from": args.init_from}
+    # (cell, step, draft folder, tokens seen, conversations trained on) of each draft to replay
+    replays = [(cell.name, step, cell / CHECKPOINTS_DIR / f"step-{step:06d}", tokens_at.get(step), trained_on)
+               for step in args.curve_steps or kept_steps]
+    if args.curve_draft is not None:
+        kept = json.loads((Path(args.curve_draft) / "training.json").read_text())
+        source = Path(kept["source"]).name
+        rows_of_source = [p for p in earlier if p["cell"] == source]
+        if kept["layers"] != layers or not rows_of_source:
+            raise SystemExit(f"--curve-draft: {args.curve_draft} reads layers {kept['layers']} (--set {args.set}: "
+                             f"{layers}) or its cell {source} has no curve rows to continue")
+        last = max(rows_of_source, key=lambda p: p["step"])  # the kept step: the cell's final one
+        facts = {key: last[key] for key in facts}
+        replays = [(source, last["step"], Path(args.curve_draft), kept["tokens_seen"], kept["conversations"])]
     embed = model.get_input_embeddings().weight.detach()
     device = device_name("cpu")
-    for step in args.curve_steps or kept_steps:
-        folder = cell / CHECKPOINTS_DIR / f"step-{step:06d}"
+    for cell_name, step, folder, seen, conversations in replays:
         if not folder.is_dir():
             continue
         draft = read_draft(folder, embed).eval()
         for name, rows in evaluation.items():
-            if (cell.name, step, name) in done:
+            if (cell_name, step, name) in done:
                 continue
             with torch.inference_mode():
                 runs = replay_runs_per_k(draft, rows, caches[name], KS, batch_size=16)
             for k in KS:
                 tau = pooled_tau(runs[k])
                 if k == 4:
-                    print(f"step {step} ({tokens_at.get(step, 0)} tokens) {name}: tau(k=4) {tau['all']:.3f}")
+                    print(f"step {step} ({seen or 0} tokens) {name}: tau(k=4) {tau['all']:.3f}")
                 record(RESULTS, "draft_long_run", f"tau_k{k}", tau["all"], "tokens/forward", device=device,
-                       params={"model": args.model, "cell": cell.name, "set": name, "layers": layers, "step": step,
-                               "tokens_seen": tokens_at.get(step), "conversations": trained_on,
-                               "prompts": sum(len(v) for v in runs[k].values()), "recipe": recipe,
-                               "steps": args.steps, "init_from": args.init_from, "per_category": tau, "note": args.note,
-                               "pooled": True})
+                       params={"model": args.model, "cell": cell_name, "set": name, **facts, "step": step,
+                               "tokens_seen": seen, "conversations": conversations,
+                               "prompts": sum(len(v) for v in runs[k].values()), "per_category": tau,
+                               "note": args.note, "pooled": True})
     _plot(results, args.model)
 
 

@@ -324,6 +324,8 @@ def serve_check(results: Results) -> list[str]:
 
 LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
 LONG_RUN_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
+SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
+              "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
 
 def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
@@ -346,15 +348,15 @@ def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
                 body.append([label, f"{picked[0]['params']['tokens_seen'] / 1e6:.2f}M",
                              *(f"{r['value']:.3f}" if r else "-" for r in picked)])
             done += max(steps, default=0)
-        return markdown(["step", "training tokens seen", "held in (200)", "held out (200)",
-                         "held out, 128 tokens (200)", "Spec-Bench (480)"], body)
+        return markdown(["step", "training tokens seen", *(SET_LABELS[name] for name in LONG_RUN_SETS)], body)
 
     return render
 
 
-def long_run_cells(model: str, cells: dict[str, str]) -> Callable[[Results], list[str]]:
-    """Reads tau_k4 of independent long-run cells (label: cell) at their last replayed step, on the
-    sets each was replayed on ("-" elsewhere): a recipe comparison at one budget."""
+def long_run_cells(model: str, cells: dict[str, str],
+                   sets: tuple[str, ...] = LONG_RUN_SETS) -> Callable[[Results], list[str]]:
+    """Reads tau_k4 of long-run cells (label: cell) at their last replayed step, on `sets` where
+    each was replayed ("-" elsewhere): a recipe or data comparison."""
 
     def render(results: Results) -> list[str]:
         body = []
@@ -363,11 +365,10 @@ def long_run_cells(model: str, cells: dict[str, str]) -> Callable[[Results], lis
             step = max(r["params"]["step"] for r in rows)
             replayed = {r["params"]["set"] for r in rows if r["params"]["step"] == step}
             picked = [LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
-                      if name in replayed else None for name in LONG_RUN_SETS]
+                      if name in replayed else None for name in sets]
             seen = next(r for r in picked if r)["params"]["tokens_seen"]
             body.append([label, str(step), f"{seen / 1e6:.2f}M", *(f"{r['value']:.3f}" if r else "-" for r in picked)])
-        return markdown(["cell", "steps", "training tokens seen", "held in (200)", "held out (200)",
-                         "held out, 128 tokens (200)", "Spec-Bench (480)"], body)
+        return markdown(["cell", "steps", "training tokens seen", *(SET_LABELS[name] for name in sets)], body)
 
     return render
 
@@ -497,6 +498,12 @@ TABLES: tuple[Table, ...] = (
           "the SmolLM2 ELSI m=1 cells with the target's MLP width and twice it, on the first 2,000 conversations",
           long_run_cells("smollm2-135m-instruct", {"MLP 1536 (the target's)": "elsi-m1-seed0-steps120-c2000",
                                                    "MLP 3072": "elsi-m1-seed0-steps120-mlp3072-c2000"})),
+    Table("long-run-smollm2-openings", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "the kept SmolLM2 ELSI m=1 draft and its continuation on the conversations sampled after task openings",
+          long_run_cells("smollm2-135m-instruct",
+                         {"kept draft (plain data)": "elsi-m1-seed0-steps480+400+400+500",
+                          "+150 steps on opening conversations only": "elsi-m1-seed0-steps480+400+400+500+150-openings"},
+                         ("held-in", "held-out", "spec-bench", "held-out-openings"))),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                                                     "elsi-m1-seed0-steps500+300+300-v8192")),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.draft_long_run import continued_from
+from bench.draft_long_run import HELD, continued_from, held_out_openings, held_sets, opening_batch_ids
 from elsi_fast.training.train import SUMMARY_FILE
 
 
@@ -30,3 +30,28 @@ def test_neither_is_refused_naming_the_argument(tmp_path):
     (tmp_path / "half-written").mkdir()  # a cell whose training never finished
     with pytest.raises(SystemExit, match="--init-from: half-written is neither"):
         continued_from("half-written", tmp_path)
+
+
+def test_opening_conversations_are_named_by_their_batch(tmp_path):
+    records = [{"id": i} for i in ("12", "si-0-3-1", "si-0-4-0", "si-0-10-7")]
+    assert opening_batch_ids(records, tmp_path) == []  # no self_instruct.json: no openings
+    (tmp_path / "self_instruct.json").write_text(json.dumps({"openings": {"texts": ["Write"], "from_batch": 4}}))
+    assert opening_batch_ids(records, tmp_path) == ["si-0-4-0", "si-0-10-7"]
+
+
+def test_opening_conversations_are_held_out_once_there_are_twice_as_many(tmp_path):
+    records = [{"id": str(i)} for i in range(500)]
+    held_sets(records, tmp_path, 0, [])  # the split is fixed on the plain data first, as it was
+    records += [{"id": f"si-0-9-{j}"} for j in range(399)]
+    opening = [r["id"] for r in records[500:]]
+    train, _, held_out = held_sets(records, tmp_path, 0, opening)
+    assert len(train) == len(records) - HELD and held_out_openings(records, tmp_path) == []
+    records.append({"id": "si-0-9-399"})  # the 400th: the split file now fixes HELD of them
+    train, _, again = held_sets(records, tmp_path, 0, opening + ["si-0-9-399"])
+    held = held_out_openings(records, tmp_path)
+    assert again == held_out and len(held) == HELD and {r["id"] for r in held} <= set(opening + ["si-0-9-399"])
+    assert not {r["id"] for r in held} & {r["id"] for r in train} and len(train) == len(records) - 2 * HELD
+    # fixed: more opening data later leaves the held-out ones as they were
+    records += [{"id": f"si-0-10-{j}"} for j in range(50)]
+    held_sets(records, tmp_path, 0, opening + ["si-0-9-399"] + [f"si-0-10-{j}" for j in range(50)])
+    assert held_out_openings(records, tmp_path) == held
