@@ -22,9 +22,9 @@ using Bytes = py::array_t<uint8_t, py::array::c_style>;
 using Floats = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Ids = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// (ggml type id, uint8 array [rows, row bytes], rows, cols) as a QuantMatrix over the array, or with
-// over a copy packed by 8 rows where the type and rows allow (pack_rows8; the products' layout) when
-// `packed` is given, which then holds the copy.
+// (ggml type id, uint8 array [rows, row bytes], rows, cols) as a QuantMatrix over the array; given
+// `packed`, over a copy packed by 8 rows where the type and rows allow (pack_rows8: the products'
+// layout), which `packed` then holds.
 QuantMatrix to_matrix(const py::tuple& t, py::list& keep, py::list* packed = nullptr) {
   if (t.size() != 4) throw std::invalid_argument("a matrix is (ggml type, uint8 blocks, rows, cols)");
   const int32_t type = t[0].cast<int32_t>();

@@ -57,9 +57,9 @@ struct QuantInput {
 void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out);
 
 // Weights packed by 8 rows, for the products of a whole forward (the file layout stays for
-// lookups). Decode is bound by the work per input row, not by memory: read row by row, every
-// block of every input row takes a multiply-add, a conversion, the scales and a horizontal sum
-// per weight row, so a 5-token verify cost 2.3x one token. Packed, lane i of a vector is weight row
+// lookups). Read row by row, a multi-token forward is bound by the work per input row, not by
+// memory: every block of every input row takes a multiply-add, a conversion, the scales and a
+// horizontal sum per weight row, so a 5-token verify cost 2.3x one token. Packed, lane i of a vector is weight row
 // i: 8 rows' products of 4 columns are one multiply-add against 4 broadcast input bytes, and the
 // scales apply to 8 rows at once. Same bytes per row as the file: a group of 8 rows is, per
 // 32-column block, the 8 fp16 scales d, Q4_1's 8 fp16 minimums, then the quants as 32-byte vectors
