@@ -6,10 +6,12 @@ contender once; medians over --rounds):
               decodes), its tokens/s;
   native      `elsi_fast.targets.native_forward.NativeForward`: one BOS token, then --tokens greedy
               one-token forwards (logits of the row, argmax in numpy), wall time.
-  native+draft  the kept SmolLM2 ELSI m=1 draft (--draft) at each --k with the target on the native
-              forward (`decoding.native_target.native_speculative_generate`, native draft steps) on
-              --prompts chat instructions, --tokens new tokens each; its tokens are checked equal
-              to the native greedy tokens of the same prompt, timed in the same round.
+  native+draft  the kept SmolLM2 ELSI m=1 draft (--draft) at each --k and weight precision
+              (--draft-dtypes) with the target on the native forward
+              (`decoding.native_target.native_speculative_generate`, native draft steps on the
+              target's threads, each decoder built once) on --prompts chat instructions, --tokens new
+              tokens each; its tokens are checked equal to the native greedy tokens of the same
+              prompt, timed in the same round.
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
@@ -21,7 +23,8 @@ positions, each rolled back; the samples keep T = 1..5 and 8 with all rows' logi
                                              threads (ratio = native / llama.cpp; TARGET >= 1.0)
      verify_cost/<type>/threads=<t>/T=5      t(5 tokens) / t(1 token) of the native forward
      draft_tokens_per_s/<type>/threads=<t>/k=<k>
-                                             native+draft; baseline llama.cpp's greedy (TARGET >= 1.5)
+                                             native+draft, params.draft_dtype; baseline llama.cpp's
+                                             greedy (TARGET >= 1.5)
 Every row holds all samples and the load average: on a shared machine only rows from quiet cores
 are a verdict (--no-record for a smoke run).
 
@@ -47,7 +50,8 @@ from bench.integration.llamacpp import VERSION, binary
 from elsi_fast._infra.cache import cache_root
 from elsi_fast.targets import catalog
 from elsi_fast.targets.gguf_requantize import requantize_gguf
-from elsi_fast.decoding.native_target import native_greedy_generate, native_speculative_generate, target_embedding
+from elsi_fast.decoding.native_target import (native_draft_decoder, native_greedy_generate,
+                                              native_speculative_generate, target_embedding)
 from elsi_fast.targets.native_forward import NativeForward
 
 RESULTS_FILE = "native_target_cpu"
@@ -136,23 +140,27 @@ def chat_prompts(path: Path, count: int) -> list[list[int]]:
                                                return_dict=True)["input_ids"]) for text in INSTRUCTIONS[:count]]
 
 
-def native_draft_round(model: NativeForward, draft, prompts: list[list[int]], tokens: int, ks: list[int]) -> dict:
-    """New tokens/s of native greedy and native+draft at each k over the prompts; tau; equality."""
+def native_draft_round(model: NativeForward, decoders: dict[str, object], prompts: list[list[int]], tokens: int,
+                       ks: list[int]) -> dict:
+    """New tokens/s of native greedy and native+draft with each decoder (by weight dtype) at each k
+    over the prompts; tau; equality."""
     import torch
 
-    out: dict = {"greedy_s": 0.0, "k": {k: {"s": 0.0, "accepted": 0, "rounds": 0} for k in ks}, "equal": True,
-                 "new_tokens": 0}
+    cases = [(dtype, k) for dtype in decoders for k in ks]
+    out: dict = {"greedy_s": 0.0, "cases": {c: {"s": 0.0, "accepted": 0, "rounds": 0} for c in cases},
+                 "equal": True, "new_tokens": 0}
     for ids in prompts:
         start = time.perf_counter()
         greedy = native_greedy_generate(model, torch.tensor(ids), tokens)
         out["greedy_s"] += time.perf_counter() - start
         out["new_tokens"] += len(greedy)
-        for k in ks:
+        for dtype, k in cases:
             start = time.perf_counter()
-            spec = native_speculative_generate(model, draft, torch.tensor(ids), tokens, k)
-            out["k"][k]["s"] += time.perf_counter() - start
-            out["k"][k]["accepted"] += sum(spec.accepted_lengths)
-            out["k"][k]["rounds"] += spec.rounds
+            spec = native_speculative_generate(model, decoders[dtype], torch.tensor(ids), tokens, k)
+            case = out["cases"][(dtype, k)]
+            case["s"] += time.perf_counter() - start
+            case["accepted"] += sum(spec.accepted_lengths)
+            case["rounds"] += spec.rounds
             out["equal"] &= bool(torch.equal(spec.tokens, greedy))
     return out
 
@@ -170,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="draft lengths (none: no draft rows; default 1 2 3 with SmolLM2's kept draft)")
     parser.add_argument("--prompts", type=int, default=4, help=f"chat instructions (at most {len(INSTRUCTIONS)})")
     parser.add_argument("--draft", type=Path, default=None, help="a draft for --model (default: SmolLM2's kept one)")
+    parser.add_argument("--draft-dtypes", nargs="+", default=["bf16", "int8"], choices=["fp32", "bf16", "int8"],
+                        help="the native draft's weight precisions, each a row (default bf16 int8)")
     parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
     parser.add_argument("--note", default="", help="conditions to keep in the rows (e.g. background jobs paused)")
     args = parser.parse_args(argv)
@@ -189,19 +199,25 @@ def main(argv: list[str] | None = None) -> int:
     capacity = max([args.tokens, args.context, *(len(p) + args.tokens + max(args.k) + 1 for p in prompts)]) + 8
     models = {(k, t): NativeForward(p, capacity=capacity, num_threads=t)
               for k, p in files.items() for t in args.threads}
-    drafts = {}
+    # One decoder per target, precision and thread count, built before the rounds (a decoder per
+    # prompt would time its packing and, without the target's team, a free-core probe).
+    decoders: dict[tuple[str, int], dict[str, object]] = {}
     if args.k:
         from elsi_fast.draft import read_draft
 
         for kind in files:
             embed = target_embedding(next(m for (k, _), m in models.items() if k == kind))
-            drafts[kind] = read_draft(args.draft, embed_tokens=embed)
+            draft = read_draft(args.draft, embed_tokens=embed)
+            for (k, threads), model in models.items():
+                if k == kind:
+                    decoders[(kind, threads)] = {d: native_draft_decoder(model, draft, d) for d in args.draft_dtypes}
+    cases = [(dtype, k) for dtype in args.draft_dtypes for k in args.k]
     build: dict = {}
     for r in range(args.rounds):
         for (kind, threads), model in models.items():
             s = samples.setdefault((kind, threads), {"llama.cpp": [], "native": [], "t1_ms": [], "t5_ms": [],
-                                                     "chat_greedy": [], **{f"draft_k={k}": [] for k in args.k},
-                                                     "tau": {k: [0, 0] for k in args.k}, "equal": True})
+                                                     "chat_greedy": [], **{f"draft_{d}_k={k}": [] for d, k in cases},
+                                                     "tau": {f"{d}_k={k}": [0, 0] for d, k in cases}, "equal": True})
             ts, build = llamacpp_greedy(files[kind], args.tokens, threads)
             s["llama.cpp"].append(ts)
             s["native"].append(native_greedy(model, args.tokens))
@@ -211,16 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             s["t5_ms"].append(t5)
             s.setdefault("forward_ms", []).append(costs)
             if args.k:
-                d = native_draft_round(model, drafts[kind], prompts, args.tokens, args.k)
+                d = native_draft_round(model, decoders[(kind, threads)], prompts, args.tokens, args.k)
                 s["chat_greedy"].append(d["new_tokens"] / d["greedy_s"])
-                for k in args.k:
-                    s[f"draft_k={k}"].append(d["new_tokens"] / d["k"][k]["s"])
-                    s["tau"][k][0] += d["k"][k]["accepted"] + d["k"][k]["rounds"]
-                    s["tau"][k][1] += d["k"][k]["rounds"]
+                for (dtype, k), case in d["cases"].items():
+                    s[f"draft_{dtype}_k={k}"].append(d["new_tokens"] / case["s"])
+                    s["tau"][f"{dtype}_k={k}"][0] += case["accepted"] + case["rounds"]
+                    s["tau"][f"{dtype}_k={k}"][1] += case["rounds"]
                 s["equal"] &= d["equal"]
                 print("  native greedy on chat prompts {:.1f} tokens/s; with the draft {} (tokens equal: {})".format(
-                    s["chat_greedy"][-1], ", ".join(f"k={k} {s[f'draft_k={k}'][-1]:.1f}" for k in args.k), d["equal"]),
-                    flush=True)
+                    s["chat_greedy"][-1], ", ".join(f"{dt} k={k} {s[f'draft_{dt}_k={k}'][-1]:.1f}" for dt, k in cases),
+                    d["equal"]), flush=True)
             print(f"round {r + 1} {kind} {threads} threads: llama.cpp {ts:.1f}, native {s['native'][-1]:.1f} "
                   f"tokens/s; native verify 5 tokens {t5 / t1:.2f}x", flush=True)
     load = {"before": load_before, "after": os.getloadavg()}
@@ -231,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         cost = statistics.median(s["t5_ms"]) / statistics.median(s["t1_ms"])
         print(f"{kind} threads={threads}: native {ours:.1f} tokens/s, llama.cpp {theirs:.1f} ({ours / theirs:.2f}x); "
               f"verify T=5 costs {cost:.2f}x T=1", flush=True)
-        for k in args.k:
-            value = statistics.median(s[f"draft_k={k}"])
-            print(f"  with the draft at k={k}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's greedy), "
-                  f"tau {s['tau'][k][0] / s['tau'][k][1]:.3f}, tokens equal to native greedy: {s['equal']}", flush=True)
+        for dtype, k in cases:
+            value = statistics.median(s[f"draft_{dtype}_k={k}"])
+            tau = s["tau"][f"{dtype}_k={k}"]
+            print(f"  with the {dtype} draft at k={k}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's "
+                  f"greedy), tau {tau[0] / tau[1]:.3f}, tokens equal to native greedy: {s['equal']}", flush=True)
         if args.no_record:
             continue
         device = f"{cpu_model()} ({threads} threads)"
@@ -246,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
                device=device, baseline=theirs, ratio=ours / theirs, params=params)
         record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,
                baseline=statistics.median(s["t1_ms"]), ratio=cost, params={**params, "context": args.context})
-        for k in args.k:
-            value = statistics.median(s[f"draft_k={k}"])
-            tau = s["tau"][k][0] / s["tau"][k][1]
+        for dtype, k in cases:
+            value = statistics.median(s[f"draft_{dtype}_k={k}"])
+            tau = s["tau"][f"{dtype}_k={k}"][0] / s["tau"][f"{dtype}_k={k}"][1]
             record(RESULTS_FILE, BENCHMARK, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", value, "tokens/s",
                    device=device, baseline=theirs, ratio=value / theirs,
-                   params={**params, "draft": str(args.draft.name), "k": k, "tau": tau, "prompts": args.prompts,
+                   params={**params, "draft": str(args.draft.name), "draft_dtype": dtype, "k": k, "tau": tau,
+                           "prompts": args.prompts,
                            "native_chat_greedy_tokens_per_s": statistics.median(s["chat_greedy"]),
                            "tokens_equal_native_greedy": s["equal"]})
     return 0

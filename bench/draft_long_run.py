@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=RECIPE["draft_vocab_size"],
                         help=f"(default {RECIPE['draft_vocab_size']}); with --init-from a larger one grows the parent's "
                         "vocabulary; another one names the cell <cell>-v<SIZE>")
+    parser.add_argument("--label-temperature", type=float, default=1.0, metavar="T",
+                        help="the target's soft labels at temperature T (default 1: its distribution; below 1 "
+                        "sharper); another one names the cell <cell>-lt<T>")
     parser.add_argument("--intermediate-size", type=int, default=None, metavar="N",
                         help="the draft's MLP width (default: the target's, EAGLE3's choice); names the cell <cell>-mlp<N>")
     parser.add_argument("--conversations", type=int, default=None, metavar="N",
@@ -187,11 +190,16 @@ def main() -> None:
         if args.intermediate_size < 1:
             raise SystemExit(f"--intermediate-size: expected a positive width, got {args.intermediate_size}")
         recipe["intermediate_size"] = args.intermediate_size
+    if not 0 < args.label_temperature < float("inf"):
+        raise SystemExit(f"--label-temperature: expected a finite number > 0, got {args.label_temperature}")
+    if args.label_temperature != 1.0:
+        recipe["label_temperature"] = args.label_temperature
     if args.conversations is not None and args.conversations < 1:
         raise SystemExit(f"--conversations: expected a positive count, got {args.conversations}")
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
         ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
+        ("" if args.label_temperature == 1.0 else f"-lt{args.label_temperature:g}") + \
         ("" if args.conversations is None else f"-c{args.conversations}") + ("-openings" if args.openings_only else "")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]

@@ -158,7 +158,8 @@ def headline(results: Results) -> list[str]:
     runtime = VERIFY.pick(results, "forward_ms", contender="rt-bf16+compile")
     compile_ = VERIFY.pick(results, "forward_ms", contender="compile")
     # both sides at their best thread count on the 2-core machines measured (2 for llama.cpp)
-    spec = NATIVE_GEMMA3.pick(results, "draft_tokens_per_s/Q4_K_M/threads=2/k=2")
+    spec = max((r[1] for r in _draft_rows(NATIVE_GEMMA3, results, "Q4_K_M", 2, CPU_KINDS[0][1]).values() if r),
+               key=lambda row: row["value"])
     native = NATIVE.pick(results, "greedy_tokens_per_s/Q4_1/threads=2")
     def faster(ratio: float, ours: float, theirs: float, unit: str) -> str:
         return f"{x(ratio)} ({ms(ours)} vs {ms(theirs)} {unit})"
@@ -176,7 +177,8 @@ def headline(results: Results) -> list[str]:
          faster(ggml["ratio"], ggml["params"]["ms"], ggml["baseline"], "ms"), [ggml]),
         ("SmolLM2 verify forward of 5 tokens, 1 thread, target runtime bf16 + compile", "`torch.compile` of the eager model",
          faster(compile_["value"] / runtime["value"], runtime["value"], compile_["value"], "ms"), [runtime, compile_]),
-        (f"Gemma 3 decoding, native GGUF forward + kept m=1 draft, k=2, {spec['params']['threads']} threads, "
+        (f"Gemma 3 decoding, native GGUF forward + kept m=1 draft ({spec['params'].get('draft_dtype', 'bf16')}), k=2, "
+         f"{spec['params']['threads']} threads, "
          f"{spec['params']['prompts']} prompts", f"llama.cpp's greedy, {spec['params']['threads']} threads",
          faster(spec["ratio"], spec["value"], spec["baseline"], f"tokens/s, tau {spec['params']['tau']:.2f}"), [spec]),
         ("SmolLM2 greedy decoding, native GGUF forward (Q4_1 file), 2 threads", "llama.cpp's greedy (`llama-bench` tg)",
@@ -374,23 +376,47 @@ def long_run_cells(model: str, cells: dict[str, str],
     return render
 
 
+# The kept draft's precision in a draft row: rows before 2026-12-06's int8 rows name none (the
+# draft's own, bf16).
+DRAFT_DTYPES = (("bf16", lambda dtype: dtype in (None, "bf16")), ("int8", lambda dtype: dtype == "int8"))
+
+
+def _draft_rows(source: Source, results: Results, kind: str, threads: int, on) -> dict[str, list[Row] | None]:
+    """The kept draft's rows at k = 1, 2, 3 in each precision; None where that precision has no row
+    on this CPU kind (int8 rows exist from 2026-12-06 on)."""
+    rows: dict[str, list[Row] | None] = {}
+    for dtype, accept in DRAFT_DTYPES:
+        try:
+            rows[dtype] = [source.pick(results, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", device=on,
+                                       draft_dtype=accept) for k in (1, 2, 3)]
+        except LookupError:
+            if dtype == "bf16":
+                raise
+            rows[dtype] = None
+    return rows
+
+
+def _draft_cell(rows: list[Row] | None) -> str:
+    return "-" if rows is None else " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in rows)
+
+
 def native_target(results: Results) -> list[str]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
-    k=1..3 of each file type and thread count."""
+    k=1..3 (bf16 and int8 draft weights) of each file type and thread count."""
     body = []
     for cpu, on in CPU_KINDS:
         for kind in ("Q4_1", "Q8_0"):
             for threads in (1, 2):
                 greedy = NATIVE.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}", device=on)
                 verify = NATIVE.pick(results, f"verify_cost/{kind}/threads={threads}/T=5", device=on)
-                drafts = [NATIVE.pick(results, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", device=on)
-                          for k in (1, 2, 3)]
+                drafts = _draft_rows(NATIVE, results, kind, threads, on)
                 body.append([cpu, kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
-                             x(greedy["ratio"]), x(verify["value"]),
-                             " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
-                             f"{drafts[0]['params']['tau']:.2f}-{drafts[-1]['params']['tau']:.2f}"])
+                             x(greedy["ratio"]), x(verify["value"]), _draft_cell(drafts["bf16"]),
+                             _draft_cell(drafts["int8"]),
+                             f"{drafts['bf16'][0]['params']['tau']:.2f}-{drafts['bf16'][-1]['params']['tau']:.2f}"])
     return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
-                     "verify 5 / 1 tokens", "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)", "tau"], body)
+                     "verify 5 / 1 tokens", "with the kept m=1 draft, bf16, k = 1 / 2 / 3 (vs llama.cpp)",
+                     "the same draft in int8", "tau"], body)
 
 
 NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"model": "gemma3-270m", "tokens": 128})
@@ -398,22 +424,22 @@ NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"mode
 
 def native_target_gemma3(results: Results) -> list[str]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
-    k=1..3 (the kept Gemma draft) of the Gemma 3 package file (type Q4_K_M) at each thread count."""
+    k=1..3 (the kept Gemma draft, bf16 and int8 weights) of the Gemma 3 package file (type Q4_K_M)
+    at each thread count."""
     body = []
     for cpu, on in CPU_KINDS:
         for threads in (1, 2):
             greedy = NATIVE_GEMMA3.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}", device=on)
             verify = NATIVE_GEMMA3.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5", device=on)
-            drafts = [NATIVE_GEMMA3.pick(results, f"draft_tokens_per_s/Q4_K_M/threads={threads}/k={k}", device=on)
-                      for k in (1, 2, 3)]
+            drafts = _draft_rows(NATIVE_GEMMA3, results, "Q4_K_M", threads, on)
             body.append([cpu, "Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
-                         x(greedy["ratio"]), x(verify["value"]),
-                         " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in drafts),
-                         f"{drafts[0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
-                         " / ".join(f"{d['params']['tau']:.2f}" for d in drafts)])
+                         x(greedy["ratio"]), x(verify["value"]), _draft_cell(drafts["bf16"]),
+                         _draft_cell(drafts["int8"]),
+                         f"{drafts['bf16'][0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
+                         " / ".join(f"{d['params']['tau']:.2f}" for d in drafts["bf16"])])
     return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
-                     "verify 5 / 1 tokens", "with the kept m=1 draft, k = 1 / 2 / 3 (vs llama.cpp)",
-                     "native greedy, same prompts", "tau"], body)
+                     "verify 5 / 1 tokens", "with the kept m=1 draft, bf16, k = 1 / 2 / 3 (vs llama.cpp)",
+                     "the same draft in int8", "native greedy, same prompts", "tau"], body)
 
 
 REGENERATE = Source("regenerate_engines_cpu.jsonl", "regenerate_greedy")

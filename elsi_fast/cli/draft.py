@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate, warmup then cosine (default 3e-3)")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps (default 20)")
     train.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test depth (default 3; EAGLE3: 7)")
+    train.add_argument("--label-temperature", type=float, default=1.0, metavar="T",
+                       help="soft labels: the target's softmax over the draft vocabulary at temperature T (default 1; "
+                       "below 1 sharper, towards the greedy token greedy verification accepts)")
     train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024), or --init-from's)")
     train.add_argument("--draft-vocab-coverage", type=float, default=None, metavar="SHARE",
                        help="instead of --draft-vocab-size: the fewest most frequent answer tokens that cover this "
@@ -179,6 +182,8 @@ def train_check(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-cache-gb: must be a positive number, got {args.max_cache_gb}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
+    if not (math.isfinite(args.label_temperature) and args.label_temperature > 0):
+        raise UsageError(f"--label-temperature: must be a positive number, got {args.label_temperature}")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
     if args.draft_vocab_coverage is not None:
@@ -238,7 +243,7 @@ def train_handler(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage, steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        init=args.init, init_from=args.init_from, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
+        label_temperature=args.label_temperature, init=args.init, init_from=args.init_from, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
         precision=args.precision, resume=not args.no_resume,
         progress=not args.no_progress,
     )

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from .._infra.native_names import NATIVE_WEIGHT_DTYPES
 from . import UsageError, one_line, positive_int
 
 
@@ -31,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", required=True, help="a .gguf file or catalog name (Llama family or Gemma 3)")
     parser.add_argument("--draft", default=None, help="an EAGLE3 draft folder trained for this target")
     parser.add_argument("-k", dest="k", type=positive_int, default=3, help="draft tokens per round (default 3)")
+    parser.add_argument("--draft-dtype", choices=NATIVE_WEIGHT_DTYPES, default=None,
+                        help="the draft's native weights (default: its own precision; int8 reads half of bf16's "
+                             "bytes per step, docs/native-target.md)")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument("--prompts", help="a file of prompts: one per line, or JSON lines with a \"prompt\" key")
@@ -79,13 +83,16 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError(f"--draft: {args.draft} has no config.json; give an EAGLE3 draft folder")
     if args.compare_greedy and args.draft is None:
         raise UsageError("--compare-greedy: needs --draft (greedy decoding is what runs without one)")
+    if args.draft_dtype is not None and args.draft is None:
+        raise UsageError("--draft-dtype: needs --draft")
     args.prompt_texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
 
 
 def handler(args: argparse.Namespace) -> int:
     import torch
 
-    from ..decoding.native_target import native_greedy_generate, native_speculative_generate, target_embedding
+    from ..decoding.native_target import (native_draft_decoder, native_greedy_generate, native_speculative_generate,
+                                          target_embedding)
     from ..targets.loading import end_of_generation_ids, gguf_tokenizer
     from ..targets.native_forward import NativeForward
 
@@ -101,7 +108,11 @@ def handler(args: argparse.Namespace) -> int:
     if args.draft is not None:
         from ..draft import read_draft
 
-        draft = read_draft(args.draft, embed_tokens=target_embedding(native))
+        try:
+            draft = native_draft_decoder(native, read_draft(args.draft, embed_tokens=target_embedding(native)),
+                                         args.draft_dtype)
+        except ValueError as exc:
+            raise UsageError(one_line(exc).replace("draft_dtype=", "--draft-dtype ", 1)) from None
     eos = end_of_generation_ids(tokenizer)
     totals = {"tokens": 0, "seconds": 0.0, "greedy_seconds": 0.0, "accepted": 0, "rounds": 0}
     differ = 0

@@ -22,6 +22,7 @@ from .speculative import SpecResult, _check_inputs, _draft_path, draft_positions
 
 if TYPE_CHECKING:
     from ..draft import Eagle3Draft
+    from ..draft.native import NativeDraftDecoder
 
 
 class NativeTargetRunner:
@@ -93,15 +94,7 @@ def native_greedy_generate(native: NativeForward, input_ids: torch.Tensor, max_n
     return torch.tensor(emitted, dtype=torch.long)
 
 
-def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft", input_ids: torch.Tensor,
-                                max_new_tokens: int, k: int, *, eos_token_id: int | Sequence[int] | None = None,
-                                draft_dtype: str | None = None, draft_backend: str = "auto",
-                                on_token: Callable[[int], None] | None = None) -> SpecResult:
-    """Greedy speculative decoding with the target on the native forward; the tokens equal
-    `native_greedy_generate`'s. The draft must have been trained for this target (its vocabulary,
-    hidden size and layer ids are checked) and carry its embedding (`target_embedding`).
-    `on_token(id)` sees each id as soon as the round that verified it ends."""
-    input_ids = _check_inputs(input_ids, max_new_tokens, k)
+def _check_draft(native: NativeForward, draft: "Eagle3Draft | NativeDraftDecoder") -> None:
     cfg, w = draft.config, native.weights
     if cfg.aux_layer_ids is None:
         raise ValueError("draft: its config has no aux_layer_ids, so the target layers it reads are unknown")
@@ -109,7 +102,40 @@ def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft", inp
         raise ValueError(f"draft: it reads a target with vocabulary {cfg.vocab_size}, hidden size "
                          f"{cfg.target_hidden_size} and layers {list(cfg.aux_layer_ids)}; {w.path.name} has "
                          f"{w.vocab}, {w.hidden} and {w.layers} blocks: a draft for another target")
+
+
+def native_draft_decoder(native: NativeForward, draft: "Eagle3Draft", draft_dtype: str | None = None
+                         ) -> "NativeDraftDecoder":
+    """The native decoder of `draft` beside `native`, to build once and pass to
+    `native_speculative_generate` for every prompt: its weights packed in `draft_dtype` ("fp32",
+    "bf16", "int8"; None: the draft's own), a KV cache of the target's capacity, and the target's
+    thread team. Building one per prompt repacks the weights and, without a fixed team, measures
+    the free cores for 0.15 s (`_infra.threads.FreeCores`): about 11% of a 128-token answer
+    (docs/native-target.md, Speed). ValueError naming `draft` or `draft_dtype` when it cannot run
+    natively."""
+    from ..draft.native import plan_decoder
+
+    _check_draft(native, draft)
+    decoder, reason = plan_decoder(draft, native.capacity, draft_dtype, threads=native.num_threads)
+    if decoder is None:
+        raise ValueError(f"draft_dtype={draft_dtype!r}: the draft cannot run natively: {reason}")
+    return decoder
+
+
+def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft | NativeDraftDecoder",
+                                input_ids: torch.Tensor, max_new_tokens: int, k: int, *,
+                                eos_token_id: int | Sequence[int] | None = None,
+                                draft_dtype: str | None = None, draft_backend: str = "auto",
+                                on_token: Callable[[int], None] | None = None) -> SpecResult:
+    """Greedy speculative decoding with the target on the native forward; the tokens equal
+    `native_greedy_generate`'s. The draft must have been trained for this target (its vocabulary,
+    hidden size and layer ids are checked) and carry its embedding (`target_embedding`); pass a
+    `native_draft_decoder` to decode several prompts (an `Eagle3Draft` is packed anew per call, its
+    steps on the target's thread count). `on_token(id)` sees each id as soon as the round that
+    verified it ends."""
+    input_ids = _check_inputs(input_ids, max_new_tokens, k)
+    _check_draft(native, draft)
     _check_capacity(native, input_ids.shape[1], max_new_tokens, k)
-    path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
-    return speculative_loop(NativeTargetRunner(native, cfg.aux_layer_ids), path, input_ids, max_new_tokens, k,
-                            eos_token_id, on_token)
+    path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend, threads=native.num_threads)
+    return speculative_loop(NativeTargetRunner(native, draft.config.aux_layer_ids), path, input_ids, max_new_tokens,
+                            k, eos_token_id, on_token)

@@ -294,6 +294,7 @@ def native_decoder_for(
     *,
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
+    threads: int | None = None,
 ) -> "NativeDraftDecoder | None":
     """The native decoder speculative decoding runs `draft` with, or None for the torch path.
 
@@ -301,7 +302,8 @@ def native_decoder_for(
     `draft_dtype`: a `NativeDraftDecoder` in `draft_dtype` (default: the draft's own fp32 / bf16),
     or ValueError naming draft_dtype and why it cannot run. "auto" without draft_dtype: native in
     the draft's own precision when possible, else a warning with the reason and None.
-    `max_len`: draft positions the decoder's KV cache holds.
+    `max_len`: draft positions the decoder's KV cache holds; `threads`: its CPU team (None: the
+    cores free at each step, `NativeDraftDecoder`).
     """
     if draft_backend not in DRAFT_BACKENDS:
         raise ValueError(f"draft_backend: expected one of {DRAFT_BACKENDS}, got {draft_backend!r}")
@@ -312,7 +314,7 @@ def native_decoder_for(
         return None
     from ..draft.native import plan_decoder
 
-    decoder, reason = plan_decoder(draft, max_len, draft_dtype)
+    decoder, reason = plan_decoder(draft, max_len, draft_dtype, threads=threads)
     if decoder is not None:
         return decoder
     if draft_dtype is not None or draft_backend == "native":
@@ -344,7 +346,7 @@ def draft_positions_needed(prompt_len: int, max_new_tokens: int, k: int) -> int:
 
 
 def _draft_path(draft, input_ids: torch.Tensor, max_new_tokens: int, k: int, draft_dtype: str | None,
-                draft_backend: str):
+                draft_backend: str, threads: int | None = None):
     from ..draft.native import NativeDraftDecoder
 
     max_len = draft_positions_needed(input_ids.shape[1], max_new_tokens, k)
@@ -356,7 +358,8 @@ def _draft_path(draft, input_ids: torch.Tensor, max_new_tokens: int, k: int, dra
             raise ValueError(f"draft: the NativeDraftDecoder holds max_len={draft.max_len} positions; this call "
                              f"needs {max_len} (prompt + max_new_tokens + k + 1)")
         return _NativeDraftPath(draft)
-    decoder = native_decoder_for(draft, max_len, draft_dtype=draft_dtype, draft_backend=draft_backend)
+    decoder = native_decoder_for(draft, max_len, draft_dtype=draft_dtype, draft_backend=draft_backend,
+                                 threads=threads)
     if decoder is not None:
         return _NativeDraftPath(decoder)
     return _TorchDraftPath(draft, max_len, input_ids.device)

@@ -123,14 +123,15 @@ def unavailable_reason(draft: "Eagle3Draft", weight_dtype: str) -> str | None:
     return draft.config.native_unsupported_reason()
 
 
-def plan_decoder(draft: "Eagle3Draft", max_len: int, weight_dtype: str | None = None
-                 ) -> tuple["NativeDraftDecoder | None", str | None]:
+def plan_decoder(draft: "Eagle3Draft", max_len: int, weight_dtype: str | None = None, *,
+                 threads: int | None = None) -> tuple["NativeDraftDecoder | None", str | None]:
     """Can `draft` run natively, and how: (decoder, None), or (None, the reason it cannot).
 
     weight_dtype: "fp32", "bf16", "int8", or None for the draft's own precision (fp32 or bf16;
     other module dtypes are converted only when asked). max_len: positions of the decoder's KV
-    cache. The one place that decides; callers choose what a refusal means (speculative
-    decoding raises when a native path was asked for, else warns and runs torch)."""
+    cache. threads: the decoder's CPU team (`NativeDraftDecoder`). The one place that decides;
+    callers choose what a refusal means (speculative decoding raises when a native path was asked
+    for, else warns and runs torch)."""
     if weight_dtype is not None:
         _check_weight_dtype(weight_dtype, "draft_dtype")
     dtype = weight_dtype
@@ -144,7 +145,7 @@ def plan_decoder(draft: "Eagle3Draft", max_len: int, weight_dtype: str | None = 
     if reason is not None:
         return None, reason
     try:
-        return NativeDraftDecoder(draft, weight_dtype=dtype, max_len=max_len), None
+        return NativeDraftDecoder(draft, weight_dtype=dtype, max_len=max_len, threads=threads), None
     except ValueError as exc:
         return None, str(exc)
 

@@ -176,9 +176,8 @@ class _WindowBatches:
         with capture_hidden_states(target, layers=layers) as cap:
             logits = target(input_ids=ids).logits
         aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-        probs = torch.softmax(logits[:, 1:, draft_vocab].float(), dim=-1).flatten(0, 1)
         rows = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
-        return aux, ids[:, 1:], probs, rows, ids.numel()
+        return aux, ids[:, 1:], logits[:, 1:, draft_vocab].float().flatten(0, 1), rows, ids.numel()
 
 
 class _SampleBatches:
@@ -211,7 +210,7 @@ class _SampleBatches:
             with capture_hidden_states(target, layers=layers) as cap:
                 logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:][rows][:, draft_vocab]
             aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-        return aux, ids[:, 1:], torch.softmax(logits.float(), dim=-1), rows, int(attention.sum())
+        return aux, ids[:, 1:], logits.float(), rows, int(attention.sum())
 
 
 def _label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -396,6 +395,7 @@ def train_draft(
     warmup: int = 20,
     ttt_steps: int = 3,
     weight_decay: float = 0.0,
+    label_temperature: float = 1.0,
     seed: int = 0,
     init: str = "random",
     init_from: "str | os.PathLike | None" = None,
@@ -416,7 +416,9 @@ def train_draft(
     draft_vocab_size: the most frequent tokens of the data (answer tokens of conversations; default
     min(vocab, 1024), or the continued draft's). draft_vocab_coverage: instead of a size, the share of
     those tokens the vocabulary must cover (`draft_vocab_size_for_coverage`). ttt_steps: training-time-test depth (EAGLE3 uses
-    7). init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
+    7). label_temperature: the soft labels are the target's softmax over the draft vocabulary at
+    this temperature (1: its own distribution; below 1 sharper, towards its greedy token, which
+    is all that greedy verification accepts; docs/real-models.md). init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
     schedule for a kept draft): its weights and draft vocabulary, with a fresh optimizer and
     schedule; its layers and shape must be this run's. A larger `draft_vocab_size` grows its
     vocabulary with the data's most frequent tokens it lacks (`grown_draft_vocab_ids`), whose head
@@ -438,6 +440,9 @@ def train_draft(
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     if not lr > 0:
         raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    if isinstance(label_temperature, bool) or not isinstance(label_temperature, (int, float)) or \
+            not 0 < label_temperature < float("inf"):
+        raise ValueError(f"label_temperature: expected a finite number > 0, got {label_temperature!r}")
     if init not in ("random", "target"):
         raise ValueError(f"init: expected 'random' or 'target', got {init!r}")
     rank, world = rank_and_world()
@@ -490,6 +495,8 @@ def train_draft(
                 "draft_vocab_size": draft_vocab_size, "init": init, "data": data_kind, "config": config.to_dict()}
     if init_from is not None:
         run_args["init_from"] = str(Path(init_from).resolve())
+    if label_temperature != 1.0:  # absent at 1, so the states of earlier runs still resume
+        run_args["label_temperature"] = float(label_temperature)
     step, history = 0, []
     if resume and state_path.is_file():
         state = load_state(state_path, "resume")
@@ -533,7 +540,8 @@ def train_draft(
                 counts = _all_reduce_sum([sum(c) for c in zip(*(_row_counts(p, ttt_steps) for p in positions))], world)
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
-                for (aux, next_ids, probs, rows, group_tokens), group_positions in zip(groups, positions):
+                for (aux, next_ids, label_logits, rows, group_tokens), group_positions in zip(groups, positions):
+                    probs = torch.softmax(label_logits / label_temperature, dim=-1)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                         step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
                     loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)

@@ -42,11 +42,15 @@ def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("### ") == 2 and "draft k=2, tau " in out
     assert "outputs equal on 2 of 2 prompts" in out
+    assert main(["generate", "--target", smollm2, "--draft", KEPT_DRAFT, "--prompts", str(prompts), "-k", "1",
+                 "--draft-dtype", "int8", "--max-new-tokens", "16", "--compare-greedy", "--threads", "1"]) == 0
+    assert "outputs equal on 2 of 2 prompts" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", "x", "--compare-greedy"], "--compare-greedy: needs --draft"),
     (["--prompts", "/no/such/file"], "--prompts: no such file: /no/such/file"),
+    (["--prompt", "x", "--draft-dtype", "int8"], "--draft-dtype: needs --draft"),
     (["--prompt", "x", "--draft", "/no/such/folder"], "--draft: /no/such/folder has no config.json"),
 ])
 def test_bad_input_is_one_line_and_exit_2(smollm2, argv, message, capsys):

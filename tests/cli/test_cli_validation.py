@@ -84,6 +84,8 @@ def _bad_inputs(t: dict, tmp) -> list[tuple[list[str], str]]:
         (train + ["--layers", "-1"], "--layers"),
         (train + ["--layers", "1", "--init-from", str(no_config)], f"--init-from: {no_config} is not a draft folder"),
         (train + ["--layers", "1", "--lr", "0"], "--lr"),
+        (train + ["--layers", "1", "--label-temperature", "0"], "--label-temperature: must be a positive number"),
+        (train + ["--layers", "1", "--label-temperature", "nan"], "--label-temperature"),
         (train + ["--layers", "1", "--draft-vocab-coverage", "1.5"], "--draft-vocab-coverage: must be a share in (0, 1]"),
         (train + ["--layers", "1", "--draft-vocab-coverage", "nan"], "--draft-vocab-coverage: must be a share"),
         (train + ["--layers", "1", "--draft-vocab-coverage", "0.9", "--draft-vocab-size", "64"],

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from elsi_fast._infra._extension import _C
-from elsi_fast.decoding.native_target import native_greedy_generate, native_speculative_generate, target_embedding
+from elsi_fast.decoding.native_target import (native_draft_decoder, native_greedy_generate,
+                                              native_speculative_generate, target_embedding)
 from elsi_fast.draft import Eagle3Config, Eagle3Draft
 from elsi_fast.targets.native_forward import NativeForward
 from tiny_gguf import HIDDEN, LAYERS, VOCAB, write_tiny  # tests/ is on sys.path
@@ -47,6 +48,21 @@ def test_speculative_equals_native_greedy(native, k):
         assert result.target_backend.startswith("native GGUF forward (")
 
 
+@pytest.mark.parametrize("draft_dtype", ["bf16", "int8"])
+def test_one_decoder_serves_every_prompt_on_the_targets_threads(native, draft_dtype):
+    # Built once: its team is the target's (no free-core probe per call), its KV cache the target's
+    # capacity; a second prompt after a longer first one still equals greedy decoding.
+    decoder = native_draft_decoder(native, random_draft(native), draft_dtype)
+    assert decoder.threads == native.num_threads == 2 and decoder.max_len == native.capacity
+    for prompt in (PROMPT, PROMPT[:5]):
+        result = native_speculative_generate(native, decoder, prompt, 30, 3)
+        assert torch.equal(result.tokens, native_greedy_generate(native, prompt, 30))
+        assert result.draft_backend.startswith(f"native cpu (") and f", 2 threads) {draft_dtype}" in result.draft_backend
+    # A draft passed as a module runs on the target's team too.
+    result = native_speculative_generate(native, random_draft(native), PROMPT, 10, 2, draft_backend="native")
+    assert ", 2 threads) fp32" in result.draft_backend
+
+
 def test_on_token_streams_every_emitted_id_in_order(native):
     streamed, rounds_seen = [], []
     draft = random_draft(native)
@@ -70,10 +86,18 @@ def test_stops_after_the_end_of_text_id(native):
     assert torch.equal(spec.tokens, stopped)
 
 
-def test_bad_input_raises_one_clear_error(native):
+def test_bad_input_raises_one_clear_error(native, monkeypatch):
     with pytest.raises(ValueError, match="a draft for another target"):
         native_speculative_generate(native, random_draft(native, vocab=VOCAB + 1), PROMPT, 8, 2)
     with pytest.raises(ValueError, match="a draft for another target"):
         native_speculative_generate(native, random_draft(native, layers=(LAYERS + 1,)), PROMPT, 8, 2)
+    with pytest.raises(ValueError, match="a draft for another target"):
+        native_draft_decoder(native, random_draft(native, layers=(LAYERS + 1,)))
+    with pytest.raises(ValueError, match="draft_dtype: expected one of fp32, bf16, int8, got 'fp16'"):
+        native_draft_decoder(native, random_draft(native), "fp16")
+    monkeypatch.setenv("ELSI_FAST_DISABLE_NATIVE", "1")
+    with pytest.raises(ValueError, match="the draft cannot run natively: ELSI_FAST_DISABLE_NATIVE=1 is set"):
+        native_draft_decoder(native, random_draft(native))
+    monkeypatch.delenv("ELSI_FAST_DISABLE_NATIVE")
     with pytest.raises(ValueError, match=r"need 111 KV positions; the native target holds 96"):
         native_speculative_generate(native, random_draft(native), PROMPT, 95, 3)

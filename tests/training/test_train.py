@@ -49,23 +49,22 @@ def test_draft_vocab_size_for_coverage_is_the_fewest_tokens_that_cover_the_share
             draft_vocab_size_for_coverage(tokens, 12, bad)
 
 
-def test_target_batch_soft_labels_align_with_target_logits():
+def test_target_batch_label_logits_align_with_target_logits():
     stream = token_stream(TOKENIZER, TEXTS)[:20]
     ids = stream.reshape(2, 10)
     vocab_ids = torch.tensor([0, 3, 7, 11, 40, 100])
     windows = train_mod._WindowBatches(stream, 10)
-    aux, next_ids, probs, rows, tokens = windows.features(TARGET, [1, 4], torch.tensor([0, 10]), vocab_ids, "cpu")
+    aux, next_ids, label_logits, rows, tokens = windows.features(TARGET, [1, 4], torch.tensor([0, 10]), vocab_ids,
+                                                                 "cpu")
     assert rows.shape == (2, 9) and rows.all() and tokens == 20  # raw text: every row in the loss
     with torch.no_grad():
         out = TARGET(input_ids=ids, output_hidden_states=True)
-    assert aux.shape == (2, 9, 64) and next_ids.shape == (2, 9) and probs.shape == (18, 6)
-    probs = probs.reshape(2, 9, 6)
+    assert aux.shape == (2, 9, 64) and next_ids.shape == (2, 9) and label_logits.shape == (18, 6)
     torch.testing.assert_close(aux[..., :32], out.hidden_states[1][:, :9])
     assert torch.equal(next_ids, ids[:, 1:])
-    logits = out.logits.double()[:, :, vocab_ids]
-    # row t is the target's distribution over x_{t+2}, i.e. its logits at position t+1
-    expected = torch.softmax(logits[:, 1:], dim=-1)
-    torch.testing.assert_close(probs.double(), expected, rtol=1e-5, atol=1e-6)
+    # row t is labelled by the target's logits over x_{t+2}, i.e. its logits at position t+1
+    expected = out.logits.double()[:, 1:][:, :, vocab_ids]
+    torch.testing.assert_close(label_logits.reshape(2, 9, 6).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def _packed(step_logits: list[torch.Tensor], probs: torch.Tensor, rows: torch.Tensor):
@@ -109,6 +108,25 @@ def test_bad_arguments(tmp_path):
                     **{**SMALL, "draft_config": {"hidden_size": 16}})
     with pytest.raises(ValueError, match="texts"):
         train_draft(TARGET, TOKENIZER, [1], "just a string", out_dir=tmp_path, steps=1, **SMALL)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="label_temperature: expected a finite number > 0"):
+            train_draft(TARGET, TOKENIZER, [1], TEXTS, out_dir=tmp_path, steps=1, label_temperature=bad, **SMALL)
+
+
+def test_label_temperature_sharpens_the_labels_and_is_part_of_a_runs_settings(samples, tmp_path, monkeypatch):
+    seen = []
+    real_loss = train_mod.ttt_loss
+    monkeypatch.setattr(train_mod, "ttt_loss", lambda logits, probs, *a: (seen.append(probs), real_loss(logits, probs, *a))[1])
+    args = {**CONVERSATION_ARGS, "steps": 2, "save_every": 1}
+    _, plain = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "t1", **args)
+    soft, seen[:] = seen[0].double(), []
+    _, sharp = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "t025", label_temperature=0.25, **args)
+    # the same rows' labels: softmax(z / 0.25) is p^4 renormalized, p = softmax(z)
+    expected = soft**4 / (soft**4).sum(-1, keepdim=True)
+    torch.testing.assert_close(seen[0].double(), expected, rtol=1e-4, atol=1e-6)
+    assert "label_temperature" not in plain and sharp["label_temperature"] == 0.25
+    with pytest.raises(ValueError, match="resume: .* different settings"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "t025", label_temperature=0.5, **args)
 
 
 def test_masked_ttt_loss_matches_float64_reference():
