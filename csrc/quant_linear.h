@@ -62,10 +62,11 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
 // horizontal sum per weight row, so a 5-token verify cost 2.3x one token. Packed, lane i of a vector is weight row
 // i: 8 rows' products of 4 columns are one multiply-add against 4 broadcast input bytes, and the
 // scales apply to 8 rows at once. Same bytes per row as the file: a group of 8 rows is, per
-// 32-column block, the 8 fp16 scales d, Q4_1's 8 fp16 minimums, then the quants as 32-byte vectors
-// [4 columns][8 rows][4 bytes]: Q8_0 columns 4j .. 4j + 3 in vector j < 8; Q4_0 / Q4_1 nibble
-// bytes 4j .. 4j + 3 in vector j < 4 (low nibbles columns 4j.., high ones 16 + 4j..).
-// Packable: Q4_0, Q4_1 and Q8_0 with rows a multiple of 8.
+// 32-column block, the 8 fp16 scales d, Q4_1's 8 fp16 minimums or Q5_0's 8 uint32 fifth bits, then
+// the quants as 32-byte vectors [4 columns][8 rows][4 bytes]: Q8_0 columns 4j .. 4j + 3 in vector
+// j < 8; Q4_0 / Q4_1 / Q5_0 nibble bytes 4j .. 4j + 3 in vector j < 4 (low nibbles columns 4j..,
+// high ones 16 + 4j..). Packable: Q4_0, Q4_1, Q5_0 and Q8_0 with rows a multiple of 8 (Gemma 3's
+// file: every Q5_0 matrix; its Q4_K / Q6_K ones run row by row).
 bool packs_rows8(int32_t type, int64_t rows);
 // m (file layout, packable) into out (m.row_bytes() * m.rows bytes); the packed matrix is
 // {m.type, out, m.rows, m.cols, true}.

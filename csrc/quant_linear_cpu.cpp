@@ -46,9 +46,10 @@ inline int32_t weight_at(const uint8_t* block, int64_t c) {
   return T == GgmlType::kQ4_0 ? q - 8 : q;
 }
 
-// Bytes of one file block of T.
+// Bytes of one file block of T (Q5_0: the packed layout's; its row-by-row kernel is in
+// quant_kquants_cpu.cpp).
 template <GgmlType T>
-constexpr int64_t kBlockBytes = T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ4_1 ? 20 : 18;
+constexpr int64_t kBlockBytes = T == GgmlType::kQ8_0 ? 34 : T == GgmlType::kQ5_0 ? 22 : T == GgmlType::kQ4_1 ? 20 : 18;
 
 template <GgmlType T>
 void dots_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
@@ -69,13 +70,13 @@ template <GgmlType T>
 constexpr DotsFn kScalarDots[kMaxRows + 1] = {nullptr, dots_scalar<T>};
 
 // Bytes of a packed group's block (8 file blocks), and of its head before the quants (8 fp16
-// scales, and Q4_1's 8 minimums).
+// scales, then Q4_1's 8 fp16 minimums or Q5_0's 8 uint32 fifth bits).
 template <GgmlType T>
 constexpr int64_t kRows8Bytes = 8 * kBlockBytes<T>;
 template <GgmlType T>
-constexpr int64_t kRows8Head = T == GgmlType::kQ4_1 ? 32 : 16;
+constexpr int64_t kRows8Head = T == GgmlType::kQ5_0 ? 48 : T == GgmlType::kQ4_1 ? 32 : 16;
 
-// Weight q of row i, column c of a packed group's block (the integer code as the file stores it).
+// Weight q of row i, column c of a packed group's block (the integer value the file encodes).
 template <GgmlType T>
 inline int32_t weight8_at(const uint8_t* block, int i, int64_t c) {
   const uint8_t* q = block + kRows8Head<T>;
@@ -83,6 +84,11 @@ inline int32_t weight8_at(const uint8_t* block, int i, int64_t c) {
   const int64_t j = c % 16;  // the nibble byte
   const uint8_t byte = q[32 * (j / 4) + 4 * i + j % 4];
   const int32_t code = c < 16 ? byte & 0x0F : byte >> 4;
+  if constexpr (T == GgmlType::kQ5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, block + 16 + 4 * i, 4);
+    return (code | static_cast<int32_t>((qh >> c) & 1) << 4) - 16;
+  }
   return T == GgmlType::kQ4_0 ? code - 8 : code;
 }
 
@@ -120,18 +126,20 @@ struct Kernels {
   const char* isa;  // quant_kquants_cpu.cpp's tables of the other types (quant::more_dots)
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
-  const DotsFn* dots8[3];  // the same over packed groups of 8 weight rows
+  const DotsFn* dots8[4];  // [Q4_0, Q4_1, Q8_0, Q5_0] over packed groups of 8 weight rows
 };
 const Kernels kScalar{"scalar", 1,
                       {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>},
-                      {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>}};
+                      {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>,
+                       kScalarDots8<GgmlType::kQ5_0>}};
 const Kernels kAvx2{"avx2", kMaxRows,
                     {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>},
-                    {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>}};
+                    {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>,
+                     avx2::kDots8<GgmlType::kQ5_0>}};
 const Kernels kAvx512{"avx512", kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>},
                       {avx512::kDots8<GgmlType::kQ4_0>, avx512::kDots8<GgmlType::kQ4_1>,
-                       avx512::kDots8<GgmlType::kQ8_0>}};
+                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>}};
 
 const Kernels& active_kernels() {
   const char* isa = cpu_isa();
@@ -143,7 +151,8 @@ const Kernels& active_kernels() {
 // The kernel table of a matrix for the active instruction set.
 const DotsFn* dots_for(const Kernels& k, const QuantMatrix& m) {
   const GgmlType t = m.type;
-  if (m.rows8) return k.dots8[t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : 2];  // packs_rows8 types
+  if (m.rows8)  // packs_rows8 types
+    return k.dots8[t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : t == GgmlType::kQ8_0 ? 2 : 3];
   switch (t) {
     case GgmlType::kQ4_0: return k.dots[0];
     case GgmlType::kQ4_1: return k.dots[1];
@@ -262,22 +271,25 @@ void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const Qu
 
 bool packs_rows8(int32_t type, int64_t rows) {
   const GgmlType t = static_cast<GgmlType>(type);
-  return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ8_0) && rows % 8 == 0;
+  return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0) &&
+         rows % 8 == 0;
 }
 
 void pack_rows8(const QuantMatrix& m, uint8_t* out) {
   if (m.rows8 || !packs_rows8(static_cast<int32_t>(m.type), m.rows))
-    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1 or Q8_0 matrix in file layout with rows a multiple of 8");
+    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1, Q5_0 or Q8_0 matrix in file layout with rows a "
+                                "multiple of 8");
   const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type)), blocks = m.cols / kQuantBlock;
-  const int64_t head = m.type == GgmlType::kQ4_1 ? 4 : 2;  // fp16 values before a file block's quants
-  const int64_t quants = bytes - head;                      // 32 (Q8_0) or 16 nibble bytes
+  // bytes before a file block's quants: d, then Q4_1's fp16 minimum or Q5_0's uint32 fifth bits
+  const int64_t extra = m.type == GgmlType::kQ4_1 ? 2 : m.type == GgmlType::kQ5_0 ? 4 : 0, head = 2 + extra;
+  const int64_t quants = bytes - head;  // 32 (Q8_0) or 16 nibble bytes
   for (int64_t g = 0; g < m.rows / 8; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* dst = out + (g * blocks + b) * 8 * bytes;
       for (int i = 0; i < 8; ++i) {
         const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + b * bytes;
-        std::memcpy(dst + 2 * i, src, 2);                          // d
-        if (head == 4) std::memcpy(dst + 16 + 2 * i, src + 2, 2);  // Q4_1's minimum
+        std::memcpy(dst + 2 * i, src, 2);                                   // d
+        if (extra) std::memcpy(dst + 16 + extra * i, src + 2, extra);       // minimum or fifth bits
         for (int64_t j = 0; j < quants / 4; ++j) std::memcpy(dst + 8 * head + 32 * j + 4 * i, src + head + 4 * j, 4);
       }
     }

@@ -13,7 +13,7 @@ from elsi_fast._infra._extension import _C
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8}
 # (rows, cols): one block, odd row counts, a row wider than a chunk's share of rows; and row counts
 # of whole groups of 8, which the forward's layout packs (pack_rows8; packed=True leaves the others).
 SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536), (8, 32), (64, 608), (304, 1536)]
@@ -115,6 +115,34 @@ def test_packing_keeps_extreme_q8_codes():
         for isa in ("scalar", "avx2", "avx512"):
             if _C.set_cpu_isa(isa):
                 (y,) = _C.quant_linear([(8, blocks.reshape(rows, -1), rows, cols)], x, 1, packed=True)
+                np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
+    finally:
+        _C.set_cpu_isa(previous)
+
+
+def test_packing_keeps_extreme_q5_codes():
+    """Q5_0 codes 31 and 0 (values 15 and -16) against inputs of +-127 in every column: the AVX2
+    path's int16 chains (4 pairs of 2 x 31 x 127 each) and the fifth bits of every column."""
+    rows, cols = 8, 64
+    rng = np.random.default_rng(10)
+    codes = rng.choice(np.array([0, 31, 15, 16], np.uint8), (rows, cols // 32, 32))
+    codes[0] = 31  # a row of only the largest code
+    blocks = np.zeros((rows, cols // 32, 22), np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
+    high = (codes >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    blocks[..., 2:6] = np.bitwise_or.reduce(high, axis=-1).astype("<u4")[..., None].view(np.uint8)
+    blocks[..., 6:] = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+    x = np.full((2, cols), 127.0, np.float32)  # scale 1, codes 127
+    x[1, ::2] = -127.0
+    values = codes.reshape(rows, cols).astype(np.float64) - 16
+    expected = 0.25 * (x.astype(np.float64) @ values.T)
+    np.testing.assert_array_equal(gguf.quants.dequantize(blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q5_0),
+                                  0.25 * values)
+    previous = _C.cpu_isa()
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if _C.set_cpu_isa(isa):
+                (y,) = _C.quant_linear([(6, blocks.reshape(rows, -1), rows, cols)], x, 1, packed=True)
                 np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
     finally:
         _C.set_cpu_isa(previous)
