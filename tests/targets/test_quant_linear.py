@@ -29,6 +29,16 @@ def make_matrix(rows: int, cols: int, name: str, seed: int) -> tuple[tuple, np.n
     return (TYPES[name], blocks, rows, cols), dense
 
 
+def packed_on_every_isa(matrix: tuple, x: np.ndarray, threads: int = 1) -> dict[str, np.ndarray]:
+    """The packed product on each instruction-set path this CPU has, by path name."""
+    previous = _C.cpu_isa()
+    try:
+        return {isa: _C.quant_linear([matrix], x, threads, packed=True)[0] for isa in ("scalar", "avx2", "avx512")
+                if _C.set_cpu_isa(isa)}
+    finally:
+        _C.set_cpu_isa(previous)
+
+
 def quantized_input(x: np.ndarray) -> np.ndarray:
     """x as the kernels quantize it, dequantized, in float64: per 32 columns d = max|x| / 127 (fp32)
     and q = round half to even of x * (1 / d)."""
@@ -89,12 +99,7 @@ def test_packed_products_are_the_same_on_every_instruction_set(name):
     matrix, _ = make_matrix(64, 608, name, seed=7)
     x = np.random.default_rng(8).standard_normal((5, 608)).astype(np.float32)
     x[2] *= 50  # large inputs: the extreme codes (|q| = 127) in every block
-    previous = _C.cpu_isa()
-    try:
-        results = {isa: _C.quant_linear([matrix], x, 2, packed=True)[0] for isa in ("scalar", "avx2", "avx512")
-                   if _C.set_cpu_isa(isa)}
-    finally:
-        _C.set_cpu_isa(previous)
+    results = packed_on_every_isa(matrix, x, threads=2)
     for isa, y in results.items():
         np.testing.assert_array_equal(y, results["scalar"], err_msg=isa)
 
@@ -110,14 +115,8 @@ def test_packing_keeps_extreme_q8_codes():
     x = np.full((2, cols), -127.0, np.float32)  # scale 1, codes -127: the largest products of each sign
     x[1] = 127.0
     expected = 0.5 * (x.astype(np.float64) @ codes.reshape(rows, cols).astype(np.float64).T)
-    previous = _C.cpu_isa()
-    try:
-        for isa in ("scalar", "avx2", "avx512"):
-            if _C.set_cpu_isa(isa):
-                (y,) = _C.quant_linear([(8, blocks.reshape(rows, -1), rows, cols)], x, 1, packed=True)
-                np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
-    finally:
-        _C.set_cpu_isa(previous)
+    for isa, y in packed_on_every_isa((8, blocks.reshape(rows, -1), rows, cols), x).items():
+        np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
 
 
 def test_packing_keeps_extreme_q5_codes():
@@ -138,14 +137,10 @@ def test_packing_keeps_extreme_q5_codes():
     expected = 0.25 * (x.astype(np.float64) @ values.T)
     np.testing.assert_array_equal(gguf.quants.dequantize(blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q5_0),
                                   0.25 * values)
-    previous = _C.cpu_isa()
-    try:
-        for isa in ("scalar", "avx2", "avx512"):
-            if _C.set_cpu_isa(isa):
-                (y,) = _C.quant_linear([(6, blocks.reshape(rows, -1), rows, cols)], x, 1, packed=True)
-                np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
-    finally:
-        _C.set_cpu_isa(previous)
+    results = packed_on_every_isa((6, blocks.reshape(rows, -1), rows, cols), x)
+    assert "scalar" in results and len(results) >= 2  # every CPU here has AVX2 at least
+    for isa, y in results.items():
+        np.testing.assert_array_equal(y, expected.astype(np.float32), err_msg=isa)
 
 
 def test_matrices_sharing_an_input_equal_separate_calls():
