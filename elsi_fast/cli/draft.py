@@ -243,7 +243,8 @@ def train_handler(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage, steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        label_temperature=args.label_temperature, init=args.init, init_from=args.init_from, feature_cache=cache, save_every=args.save_every, keep_steps=tuple(args.keep_steps),
+        label_temperature=args.label_temperature, init=args.init, init_from=args.init_from, feature_cache=cache,
+        save_every=args.save_every, keep_steps=tuple(args.keep_steps),
         precision=args.precision, resume=not args.no_resume,
         progress=not args.no_progress,
     )
