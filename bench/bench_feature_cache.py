@@ -11,6 +11,14 @@ layers (its build time is reported on its own: it is paid once for every layer s
 it). Timed alternately, `--reps` times each, medians of training tokens (answer tokens in the loss)
 per second. The loss curves must agree (the cache is bfloat16 here, as the experiment's).
   -> bench/results/feature_cache_cpu.jsonl (target of the issue: offline >= 3x online tokens/s)
+
+    python -m bench.bench_feature_cache --dump [--data runs/data-smollm2] [--layers 11]
+
+times the dump itself, as the long run makes it (bf16 target where the CPU multiplies bf16, a
+bfloat16 cache): the layers and the final state (soft labels) against the layers only (labels from
+the answers, the forward stopped at the deepest layer), alternately `--reps` times on the same
+`--conversations` of the data, medians of dumped tokens (prompt and answer) per second. The two
+must hold the same layer states bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +51,40 @@ def _train(model, tokenizer, layers, samples, out: Path, steps: int, cache=None)
     return summary["tokens_per_second_this_run"], [h["loss"] for h in history], sum(h["tokens"] for h in history)
 
 
+def dump_speed(args) -> None:
+    import torch
+
+    from elsi_fast.training.train import training_precision
+
+    dtype = "bfloat16" if training_precision("auto", torch.device("cpu")) == "bfloat16" else "float32"
+    model, tokenizer = load_model(args.model, device="cpu", dtype=dtype)
+    records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)[: args.conversations]
+    samples = conversation_samples(records, tokenizer, RECIPE["seq_len"], model.config.vocab_size)
+    tokens = sum(len(s.ids) for s in samples)
+    seconds: dict[str, list[float]] = {"layers and final state": [], "layers only": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):  # alternated, so that drifting machine speed hits both alike
+            for mode in seconds:
+                start = time.perf_counter()
+                cache = build(model, samples, args.layers, Path(tmp) / f"{rep}-{mode}", dtype="bfloat16",
+                              final=mode == "layers and final state", progress=False)
+                seconds[mode].append(time.perf_counter() - start)
+            full, layers_only = (build(model, samples, args.layers, Path(tmp) / f"0-{mode}", dtype="bfloat16",
+                                       final=False, progress=False) for mode in seconds)
+            same = torch.equal(full.batch(samples, range(len(samples)), args.layers)[3],
+                               layers_only.batch(samples, range(len(samples)), args.layers)[3])
+    speed = {mode: tokens / statistics.median(s) for mode, s in seconds.items()}
+    params = {"model": args.model, "target_dtype": dtype, "layers": args.layers, "conversations": len(samples),
+              "tokens": tokens, "reps": args.reps, "threads": torch.get_num_threads(), "cache_dtype": "bfloat16",
+              "seconds": seconds, "same_layer_states": same, "loadavg": os.getloadavg(), "note": args.note}
+    record("feature_cache_cpu", "feature_cache_dump", "dump_tokens_per_s/layers-only", speed["layers only"],
+           "tokens/s", device=device_name("cpu"), baseline=speed["layers and final state"],
+           ratio=speed["layers only"] / speed["layers and final state"], params=params)
+    print(f"{args.model} layers {args.layers}, {tokens} tokens: layers and final state "
+          f"{speed['layers and final state']:.0f} tokens/s, layers only {speed['layers only']:.0f} tokens/s "
+          f"({speed['layers only'] / speed['layers and final state']:.2f}x); same states: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -51,10 +93,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dump", action="store_true", help="time the dump: full cache against layers only")
+    parser.add_argument("--data", default=str(ROOT / "runs" / "data-smollm2"), help="--dump: a regenerate folder")
+    parser.add_argument("--note", default="", help="--dump: conditions to record in the row")
     args = parser.parse_args()
     from elsi_fast._infra.threads import configure
 
     configure(args.threads)
+    if args.dump:
+        return dump_speed(args)
     import torch
 
     data = ROOT / "runs" / "draft-experiment" / args.model / "train-subset" / CONVERSATIONS_FILE

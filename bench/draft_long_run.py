@@ -14,6 +14,8 @@ grows along an answer, so it separates the prompts' share of the Spec-Bench gap 
 "held-out-openings": 200 conversations whose user turns were sampled after a task opening
 (`regenerate --instruction-openings`), held out once the data first has 400 such: how the drafts
 fare on the kinds of task Spec-Bench asks for, in the target's own words.
+`--labels answers` trains on the answers' own next tokens (the target's greedy ones) instead of
+the target's distribution: its cache holds the layers only, dumped up to the deepest one.
 `--conversations N` trains on the first N training conversations only (a cell whose layers cost a
 new feature cache, e.g. the m=3 sets, on a budget; a complete longer cache of the layers serves them).
 
@@ -158,6 +160,9 @@ def main() -> None:
     parser.add_argument("--label-temperature", type=float, default=1.0, metavar="T",
                         help="the target's soft labels at temperature T (default 1: its distribution; below 1 "
                         "sharper); another one names the cell <cell>-lt<T>")
+    parser.add_argument("--labels", choices=("target", "answers"), default="target",
+                        help="target: the target's distribution (default); answers: each answer's next token, from a "
+                        "cache of the layers only; names the cell <cell>-answers")
     parser.add_argument("--intermediate-size", type=int, default=None, metavar="N",
                         help="the draft's MLP width (default: the target's, EAGLE3's choice); names the cell <cell>-mlp<N>")
     parser.add_argument("--conversations", type=int, default=None, metavar="N",
@@ -193,13 +198,18 @@ def main() -> None:
     if not 0 < args.label_temperature < float("inf"):
         raise SystemExit(f"--label-temperature: expected a finite number > 0, got {args.label_temperature}")
     if args.label_temperature != 1.0:
+        if args.labels == "answers":
+            raise SystemExit("--label-temperature: labels from the answers are one-hot; drop it or use --labels target")
         recipe["label_temperature"] = args.label_temperature
+    if args.labels != "target":
+        recipe["labels"] = args.labels
     if args.conversations is not None and args.conversations < 1:
         raise SystemExit(f"--conversations: expected a positive count, got {args.conversations}")
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
         ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
         ("" if args.label_temperature == 1.0 else f"-lt{args.label_temperature:g}") + \
+        ("" if args.labels == "target" else f"-{args.labels}") + \
         ("" if args.conversations is None else f"-c{args.conversations}") + ("-openings" if args.openings_only else "")
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
@@ -235,8 +245,12 @@ def main() -> None:
         if training_precision("auto", torch.device("cpu")) == "bfloat16":
             dumper = load_model(args.model, device="cpu", dtype="bfloat16", argument="--model",
                                 device_argument="--device", progress=False)[0]
-        caches["train"] = build(dumper, samples, layers, work / f"cache-train-{'-'.join(map(str, layers))}-{str(dumper.dtype).removeprefix('torch.')}",
-                                dtype="bfloat16", max_bytes=40 * 2**30)
+        # Labels from the answers need the layers only, in a folder of their own (one selection of
+        # the data per folder: the opening conversations alone are not a prefix of all of them).
+        folder = f"cache-train-{'-'.join(map(str, layers))}-{str(dumper.dtype).removeprefix('torch.')}" + \
+            ("" if args.labels == "target" else "-layers" + ("-openings" if args.openings_only else ""))
+        caches["train"] = build(dumper, samples, layers, work / folder, dtype="bfloat16", max_bytes=40 * 2**30,
+                                final=args.labels == "target")
         del dumper
     kept_steps = keep_steps(args.steps)
     if "train" in args.stages:

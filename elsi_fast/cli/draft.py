@@ -49,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--label-temperature", type=float, default=1.0, metavar="T",
                        help="soft labels: the target's softmax over the draft vocabulary at temperature T (default 1; "
                        "below 1 sharper, towards the greedy token greedy verification accepts)")
+    train.add_argument("--labels", choices=("target", "answers"), default="target",
+                       help="target: the target's distribution (soft labels); answers: each answer's own next token, "
+                       "the target's greedy token in its regenerated conversations, with no target state past the "
+                       "draft's deepest layer (a --cache-dir holds the layers only: about layer/N of the forward "
+                       "and half the disk) (default target)")
     train.add_argument("--draft-vocab-size", type=positive_int, default=None, help="draft vocabulary size (default: min(vocab, 1024), or --init-from's)")
     train.add_argument("--draft-vocab-coverage", type=float, default=None, metavar="SHARE",
                        help="instead of --draft-vocab-size: the fewest most frequent answer tokens that cover this "
@@ -184,6 +189,8 @@ def train_check(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr: must be a positive number, got {args.lr}")
     if not (math.isfinite(args.label_temperature) and args.label_temperature > 0):
         raise UsageError(f"--label-temperature: must be a positive number, got {args.label_temperature}")
+    if args.labels == "answers" and args.label_temperature != 1.0:
+        raise UsageError("--label-temperature: labels from the answers are one-hot; drop it or use --labels target")
     if args.warmup < 0:
         raise UsageError(f"--warmup: must be >= 0, got {args.warmup}")
     if args.draft_vocab_coverage is not None:
@@ -206,6 +213,9 @@ def train_check(args: argparse.Namespace) -> None:
     if args.cache_dir is not None and not args.conversations:
         raise UsageError("--cache-dir: only conversations (elsi-fast regenerate's conversations.jsonl) are cached; "
                          "raw text trains online")
+    if args.labels == "answers" and not args.conversations:
+        raise UsageError("--labels: answers needs conversations (elsi-fast regenerate's conversations.jsonl); raw "
+                         "text is labelled by the target")
     if args.seq_len is None:
         args.seq_len = 768 if args.conversations else 128
     if not args.conversations:
@@ -234,16 +244,17 @@ def train_handler(args: argparse.Namespace) -> int:
             from ..training.feature_cache import build
 
             cache = build(model, data, args.cache_layers or args.layer_ids, args.cache_dir, dtype=args.cache_dtype,
-                          max_bytes=int(args.max_cache_gb * 2**30), progress=not args.no_progress)
+                          max_bytes=int(args.max_cache_gb * 2**30), final=args.labels == "target",
+                          progress=not args.no_progress)
             print(f"feature cache: {cache.path}, {cache.nbytes / 2**30:.2f} GiB for {cache.meta['tokens']} tokens x "
-                  f"layers {cache.layers} + the final state ({cache.dtype})")
+                  f"layers {cache.layers}{' + the final state' if cache.has_final else ''} ({cache.dtype})")
     overrides = {} if args.intermediate_size is None else {"intermediate_size": args.intermediate_size}
     draft, summary = train_draft(
         model, tokenizer, args.layer_ids, data, out_dir=args.out, draft_config=overrides,
         draft_vocab_size=args.draft_vocab_size, draft_vocab_coverage=args.draft_vocab_coverage, steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps, seed=args.seed,
-        label_temperature=args.label_temperature, init=args.init, init_from=args.init_from, feature_cache=cache,
+        label_temperature=args.label_temperature, labels=args.labels, init=args.init, init_from=args.init_from, feature_cache=cache,
         save_every=args.save_every, keep_steps=tuple(args.keep_steps),
         precision=args.precision, resume=not args.no_resume,
         progress=not args.no_progress,

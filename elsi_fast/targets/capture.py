@@ -104,12 +104,16 @@ def capture_hidden_states(
     model: nn.Module,
     layers: Sequence[int] | None = None,
     callback: Callable[[int, torch.Tensor], None] | None = None,
+    stop: bool = False,
 ) -> Iterator[HiddenStateCapture]:
     """Record h_l for l in `layers` (default 0..N) during the forward passes run inside the block.
 
     Without `callback`, `.states[l]` holds the last forward's h_l [B, T, d] (detached). With
     `callback(l, h_l)`, each state is handed over as soon as it is produced and nothing is kept,
-    so a streaming consumer decides what to retain. Hooks are removed on exit.
+    so a streaming consumer decides what to retain. Hooks are removed on exit. With `stop`, the
+    forward ends once the deepest of `layers` is captured (the blocks above it and the head never
+    run: a reader of h_11 of 30 blocks pays for 11), and so does the `with` block: run the forward
+    as its last statement.
     """
     blocks = decoder_layers(model)
     num_blocks = len(blocks)
@@ -118,6 +122,7 @@ def capture_hidden_states(
     if bad:
         raise ValueError(f"layers: indices {bad} out of range 0..{num_blocks} (N={num_blocks} blocks)")
     capture = HiddenStateCapture(num_blocks)
+    deepest = wanted[-1] if stop and wanted else None
 
     def emit(index: int, hidden: torch.Tensor) -> None:
         hidden = hidden.detach()
@@ -125,6 +130,8 @@ def capture_hidden_states(
             callback(index, hidden)
         else:
             capture.states[index] = hidden
+        if index == deepest:
+            raise _ForwardStopped
 
     handles = []
     try:
@@ -143,9 +150,15 @@ def capture_hidden_states(
                 )
             )
         yield capture
+    except _ForwardStopped:
+        pass
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _ForwardStopped(Exception):
+    """Raised by `capture_hidden_states(stop=True)` at the deepest wanted layer, caught on exit."""
 
 
 def plain_lm_head(model: nn.Module) -> nn.Linear | None:

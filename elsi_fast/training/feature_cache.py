@@ -8,6 +8,10 @@ target once over every sample and stores, per token,
   restricted to the draft vocabulary are that state times the head's rows (a plain linear head,
   `capture.plain_lm_head`; the head's weights are read from the target, which is loaded but never
   run while training from the cache).
+Built with `final=False`, a cache holds the layers only, for drafts trained on the answers' own
+tokens (`train_draft(labels="answers")`): the forward then stops at the deepest layer dumped, so a
+cache of h_11 of SmolLM2's 30 blocks costs about 11/30 of the target's forward and half the disk,
+and a target whose head is not a plain linear map (soft-capped logits) can be cached too.
 The folder holds `meta.json` (what was dumped, from which target and data; the samples done so
 far) and one flat file per array. The size is known before anything is written and must stay
 under `max_bytes`; a dump interrupted by Ctrl-C or a crash continues where its last batch ended.
@@ -86,6 +90,10 @@ class FeatureCache:
         return self.meta["done"] == len(self.meta["lengths"])
 
     @property
+    def has_final(self) -> bool:
+        return self.meta.get("final", True)  # caches dumped before `final=False` all hold it
+
+    @property
     def nbytes(self) -> int:
         return int(self.meta["bytes"])
 
@@ -100,7 +108,8 @@ class FeatureCache:
     def batch(self, samples: Sequence[Sample], indices: Sequence[int], layers: Sequence[int]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The samples at `indices`, right-padded: (ids [B, T], attention [B, T], loss mask [B, T],
-        aux [B, T, len(layers) * d] float32 in `layers`' order, final normed state [B, T, d] float32)."""
+        aux [B, T, len(layers) * d] float32 in `layers`' order, final normed state [B, T, d] float32,
+        or None for a cache without it)."""
         missing = [l for l in layers if l not in self.layers]
         if missing:
             raise ValueError(f"feature_cache: {self.path} holds layers {self.layers}, not {missing}; dump them too")
@@ -110,12 +119,13 @@ class FeatureCache:
         columns = np.concatenate([np.arange(self.layers.index(l) * self.dim, (self.layers.index(l) + 1) * self.dim)
                                   for l in layers])
         aux = torch.zeros(len(picked), width, len(layers) * self.dim)
-        final = torch.zeros(len(picked), width, self.dim)
-        features, finals = self._array("features"), self._array("final")
+        final = torch.zeros(len(picked), width, self.dim) if self.has_final else None
+        features = self._array("features")
         for b, i in enumerate(indices):
             start, length = int(self._offsets[i]), int(self._lengths[i])
             aux[b, :length] = _to_float(features[start : start + length][:, columns], self.dtype)
-            final[b, :length] = _to_float(finals[start : start + length], self.dtype)
+            if final is not None:
+                final[b, :length] = _to_float(self._array("final")[start : start + length], self.dtype)
         return ids, attention, loss, aux, final
 
 
@@ -137,16 +147,17 @@ def open_cache(path: str | os.PathLike) -> FeatureCache:
 
 def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | os.PathLike, *,
           dtype: str = "float32", max_bytes: int = DEFAULT_MAX_BYTES, batch_size: int = 8,
-          progress: bool = True) -> FeatureCache:
+          final: bool = True, progress: bool = True) -> FeatureCache:
     """Dump (or continue dumping) the cache of `samples` for `layers` into `path`; see the module
     docstring. An existing cache of the same target and dtype that holds `layers` (or more) is
     returned as it is for the same samples, grows for a longer list that starts with its samples
     (the new ones are dumped), and serves a shorter list that its samples start with once it is
-    complete; other data, another target or missing layers are refused."""
+    complete; other data, another target or missing layers are refused. final: dump the final
+    normed state too (soft labels); a cache that holds it serves `final=False` as it is, one
+    without it cannot serve `final=True`."""
     if dtype not in _DTYPES:
         raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
-    head = plain_lm_head(target)
-    if head is None:
+    if final and plain_lm_head(target) is None:
         raise ValueError("feature_cache: the target's logits are not a plain linear head of its final state "
                          "(soft-capped or scaled): train online")
     path = Path(path)
@@ -164,8 +175,12 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
             held = {k: meta.get(k) for k in ("layers", "dtype")}
             raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set ({held}); "
                              "use another folder")
+        if final and not meta.get("final", True):
+            raise ValueError(f"feature_cache: {path} holds no final states (dumped for labels from the answers); "
+                             "soft labels need a cache with them: use another folder")
         identity["layers"] = layers = meta["layers"]  # a cache of more layers serves these as it is
-        size = sum(lengths) * (len(layers) + 1) * dim * element
+        final = meta.get("final", True)
+        size = sum(lengths) * (len(layers) + final) * dim * element
         held = len(meta["lengths"])
         if meta["samples"] == identity["samples"]:
             if meta.get("digests") is None:  # dumped before the digests were kept
@@ -189,18 +204,18 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
             return cache
     else:
         tokens = sum(lengths)
-        size = tokens * (len(layers) + 1) * dim * element
+        size = tokens * (len(layers) + final) * dim * element
         if size > max_bytes:
             raise ValueError(f"max_cache_bytes: the cache of {len(samples)} samples ({tokens} tokens) x {len(layers)} "
-                             f"layers + the final state in {dtype} needs {size / 2**30:.2f} GiB, over the bound "
+                             f"layers{' + the final state' if final else ''} in {dtype} needs {size / 2**30:.2f} GiB, over the bound "
                              f"{max_bytes / 2**30:.2f} GiB; dump fewer layers or samples, or use bfloat16")
         path.mkdir(parents=True, exist_ok=True)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if samples else []
         # Dumped longest first, so that a batch holds samples of similar length (padding is forward work).
         order = sorted(range(len(samples)), key=lambda i: -lengths[i])
         meta = {**identity, "offsets": [int(o) for o in offsets], "lengths": lengths, "tokens": tokens,
-                "bytes": size, "order": order, "done": 0, "digests": digests}
-        for name, width in (("features", len(layers) * dim), ("final", dim)):
+                "bytes": size, "order": order, "done": 0, "digests": digests, "final": final}
+        for name, width in (("features", len(layers) * dim), ("final", dim))[: 1 + final]:
             with open(path / f"{name}.bin", "wb") as f:
                 f.truncate(tokens * width * element)
         _write_meta(path, meta)
@@ -226,7 +241,7 @@ def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], digests: l
                          f"over the bound {max_bytes / 2**30:.2f} GiB")
     held, tokens = len(meta["lengths"]), sum(lengths)
     width = len(meta["layers"]) * meta["dim"]
-    for name, columns in (("features", width), ("final", meta["dim"])):
+    for name, columns in (("features", width), ("final", meta["dim"]))[: 1 + meta.get("final", True)]:
         with open(path / f"{name}.bin", "r+b") as f:
             f.truncate(tokens * columns * element)
     new = sorted(range(held, len(lengths)), key=lambda i: -lengths[i])
@@ -253,7 +268,8 @@ def _fill(target, samples: Sequence[Sample], cache: FeatureCache, batch_size: in
     dim, layers = cache.dim, cache.layers
     features = np.memmap(cache.path / "features.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
                          shape=(meta["tokens"], len(layers) * dim))
-    finals = np.memmap(cache.path / "final.bin", dtype=_DTYPES[cache.dtype][1], mode="r+", shape=(meta["tokens"], dim))
+    finals = np.memmap(cache.path / "final.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
+                       shape=(meta["tokens"], dim)) if cache.has_final else None
     device = target.get_input_embeddings().weight.device
     order = meta["order"]
     bar = tqdm(total=meta["tokens"], initial=sum(meta["lengths"][i] for i in order[: meta["done"]]), unit="tok",
@@ -266,16 +282,20 @@ def _fill(target, samples: Sequence[Sample], cache: FeatureCache, batch_size: in
             while meta["done"] < len(samples):
                 batch = order[meta["done"] : meta["done"] + batch_size]
                 ids, attention, _ = pad_samples([samples[i] for i in batch])
-                with capture_hidden_states(target, layers=layers) as cap:
-                    final = target.base_model(input_ids=ids.to(device), attention_mask=attention.to(device),
-                                              use_cache=False).last_hidden_state
+                # Without the final state the forward stops at the deepest layer dumped.
+                with capture_hidden_states(target, layers=layers, stop=finals is None) as cap:
+                    out = target.base_model(input_ids=ids.to(device), attention_mask=attention.to(device),
+                                            use_cache=False)
                 for b, i in enumerate(batch):
                     start, length = meta["offsets"][i], meta["lengths"][i]
                     stacked = torch.cat([cap.states[l][b, :length].float().cpu() for l in layers], dim=-1)
                     features[start : start + length] = _from_float(stacked, cache.dtype)
-                    finals[start : start + length] = _from_float(final[b, :length].float().cpu(), cache.dtype)
+                    if finals is not None:
+                        finals[start : start + length] = _from_float(out.last_hidden_state[b, :length].float().cpu(),
+                                                                     cache.dtype)
                 features.flush()
-                finals.flush()
+                if finals is not None:
+                    finals.flush()
                 meta["done"] += len(batch)
                 _write_meta(cache.path, meta)
                 bar.update(sum(meta["lengths"][i] for i in batch))

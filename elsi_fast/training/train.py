@@ -5,7 +5,10 @@ with the analysis hooks (`capture.capture_hidden_states`, input-to-layer ids) to
 target's next-token logits. The draft is trained with the training-time test of EAGLE3
 (`Eagle3Draft.ttt_forward`): step i feeds back the draft's own step i-1 output and predicts one
 token further; its loss is the cross-entropy between the draft distribution and the target's
-next-token distribution restricted to the draft vocabulary (renormalized), weighted 0.8^i.
+next-token distribution restricted to the draft vocabulary (renormalized), weighted 0.8^i. On
+conversations of the target's own greedy answers the labels can instead be the answers' next
+tokens (`labels="answers"`): what greedy verification accepts, with no target state past the
+draft's deepest layer (docs/real-models.md, "Labels from the answers").
 
 Checkpoints: ``out_dir`` holds the draft in the EAGLE3 format (`draft.formats.write_draft`), and
 ``out_dir/training_state.pt`` the draft weights, optimizer, schedule, data-sampler state and step,
@@ -182,10 +185,14 @@ class _WindowBatches:
 
 class _SampleBatches:
     """Conversations: whole samples, right-padded; a draft row is in the loss when the token it
-    predicts is part of the answer. Features from the target online, or from a `FeatureCache`."""
+    predicts is part of the answer. Features from the target online, or from a `FeatureCache`.
+    labels "target": the target's logits over the draft vocabulary; "answers": the answer's own
+    next token as a draft-vocabulary index [n] (rows whose token the draft vocabulary lacks, which
+    no draft could propose, leave the loss), and the target runs only up to the deepest layer."""
 
-    def __init__(self, samples: Sequence[Sample], cache: "FeatureCache | None", head_weight: torch.Tensor | None):
-        self.samples, self.cache, self.head_weight = samples, cache, head_weight
+    def __init__(self, samples: Sequence[Sample], cache: "FeatureCache | None", head_weight: torch.Tensor | None,
+                 labels: str):
+        self.samples, self.cache, self.head_weight, self.labels = samples, cache, head_weight, labels
 
     def draw(self, batch_size: int, sampler: torch.Generator) -> torch.Tensor:
         return torch.randint(0, len(self.samples), (batch_size,), generator=sampler)
@@ -198,19 +205,35 @@ class _SampleBatches:
 
     @torch.no_grad()
     def features(self, target, layers, picked: torch.Tensor, draft_vocab: torch.Tensor, device):
+        answers = self.labels == "answers"
         if self.cache is not None:
             ids, attention, loss_mask, aux, final = self.cache.batch(self.samples, picked.tolist(), layers)
-            rows = _label_rows(loss_mask).to(device)
-            aux, ids = aux[:, :-1].to(device), ids.to(device)
-            logits = torch.nn.functional.linear(final[:, 1:].to(device)[rows], self.head_weight[draft_vocab].float())
         else:
             ids, attention, loss_mask = pad_samples([self.samples[i] for i in picked.tolist()])
-            rows = _label_rows(loss_mask).to(device)
-            ids = ids.to(device)
-            with capture_hidden_states(target, layers=layers) as cap:
-                logits = target(input_ids=ids, attention_mask=attention.to(device)).logits[:, 1:][rows][:, draft_vocab]
-            aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)[:, :-1].float()
-        return aux, ids[:, 1:], logits.float(), rows, int(attention.sum())
+            with capture_hidden_states(target, layers=layers, stop=answers) as cap:
+                out = target(input_ids=ids.to(device), attention_mask=attention.to(device))
+            aux = torch.cat([cap.states[layer] for layer in layers], dim=-1)
+        if answers:
+            loss_mask = loss_mask & torch.isin(ids, draft_vocab.cpu())
+        rows = _label_rows(loss_mask).to(device)
+        aux, ids = aux[:, :-1].float().to(device), ids.to(device)
+        if answers:
+            index = torch.full((int(max(ids.max(), draft_vocab.max())) + 1,), -1, dtype=torch.long, device=device)
+            index[draft_vocab] = torch.arange(len(draft_vocab), device=device)
+            labels = index[ids[:, 2:]][rows[:, :-1]]  # row t predicts x_{t+2}; the last row has none
+        elif self.cache is not None:
+            labels = torch.nn.functional.linear(final[:, 1:].to(device)[rows], self.head_weight[draft_vocab].float())
+        else:
+            labels = out.logits[:, 1:][rows][:, draft_vocab].float()
+        return aux, ids[:, 1:], labels, rows, int(attention.sum())
+
+
+def _label_probs(labels: torch.Tensor, draft_vocab_size: int, temperature: float) -> torch.Tensor:
+    """[n, Vd] label distributions: one-hot of draft-vocabulary indices [n] (labels from the
+    answers), or the softmax at `temperature` of the target's logits [n, Vd]."""
+    if labels.dtype == torch.long:
+        return torch.nn.functional.one_hot(labels, draft_vocab_size).float()
+    return torch.softmax(labels / temperature, dim=-1)
 
 
 def _label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -396,6 +419,7 @@ def train_draft(
     ttt_steps: int = 3,
     weight_decay: float = 0.0,
     label_temperature: float = 1.0,
+    labels: str = "target",
     seed: int = 0,
     init: str = "random",
     init_from: "str | os.PathLike | None" = None,
@@ -418,7 +442,11 @@ def train_draft(
     those tokens the vocabulary must cover (`draft_vocab_size_for_coverage`). ttt_steps: training-time-test depth (EAGLE3 uses
     7). label_temperature: the soft labels are the target's softmax over the draft vocabulary at
     this temperature (1: its own distribution; below 1 sharper, towards its greedy token, which
-    is all that greedy verification accepts; docs/real-models.md). init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
+    is all that greedy verification accepts; docs/real-models.md). labels: "target" (its
+    distribution, as above) or "answers": conversation samples only, each row labelled one-hot by
+    the answer's next token, which for the target's own greedy answers is its greedy token (up to
+    the engine that wrote them; docs/real-models.md); the target runs only up to the draft's
+    deepest layer, or a cache dumped with `final=False` serves. init: "random" or "target" (`init_from_target`). init_from: a draft folder to continue from (more data, or a second
     schedule for a kept draft): its weights and draft vocabulary, with a fresh optimizer and
     schedule; its layers and shape must be this run's. A larger `draft_vocab_size` grows its
     vocabulary with the data's most frequent tokens it lacks (`grown_draft_vocab_ids`), whose head
@@ -443,6 +471,11 @@ def train_draft(
     if isinstance(label_temperature, bool) or not isinstance(label_temperature, (int, float)) or \
             not 0 < label_temperature < float("inf"):
         raise ValueError(f"label_temperature: expected a finite number > 0, got {label_temperature!r}")
+    if labels not in ("target", "answers"):
+        raise ValueError(f"labels: expected 'target' or 'answers', got {labels!r}")
+    if labels == "answers" and label_temperature != 1.0:
+        raise ValueError("label_temperature: labels from the answers are one-hot; a temperature applies to the "
+                         "target's labels only")
     if init not in ("random", "target"):
         raise ValueError(f"init: expected 'random' or 'target', got {init!r}")
     rank, world = rank_and_world()
@@ -457,7 +490,7 @@ def train_draft(
     state_path = out / STATE_FILE
     start_time = time.perf_counter()
 
-    source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache)
+    source, predicted, data_kind = _batches(target, tokenizer, data, seq_len, feature_cache, labels)
     embed = target.get_input_embeddings().weight.detach()
     start = None if init_from is None else _read_continued(init_from, embed)
     kept = None if start is None else start.draft_to_target(torch.arange(start.config.draft_vocab_size))
@@ -497,6 +530,8 @@ def train_draft(
         run_args["init_from"] = str(Path(init_from).resolve())
     if label_temperature != 1.0:  # absent at 1, so the states of earlier runs still resume
         run_args["label_temperature"] = float(label_temperature)
+    if labels != "target":
+        run_args["labels"] = labels
     step, history = 0, []
     if resume and state_path.is_file():
         state = load_state(state_path, "resume")
@@ -541,7 +576,7 @@ def train_draft(
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
                 for (aux, next_ids, label_logits, rows, group_tokens), group_positions in zip(groups, positions):
-                    probs = torch.softmax(label_logits / label_temperature, dim=-1)
+                    probs = _label_probs(label_logits, draft_vocab_size, label_temperature)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                         step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
                     loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
@@ -580,7 +615,7 @@ def train_draft(
     return TrainedDraft(draft, summary)
 
 
-def _batches(target, tokenizer, data, seq_len: int, feature_cache):
+def _batches(target, tokenizer, data, seq_len: int, feature_cache, labels: str):
     """(batch source, the tokens the draft learns to predict (for its vocabulary), data kind)."""
     if isinstance(data, str) or not data:
         raise ValueError("data: expected a non-empty list of texts or conversation samples")
@@ -591,9 +626,16 @@ def _batches(target, tokenizer, data, seq_len: int, feature_cache):
                 raise ValueError(f"feature_cache: {feature_cache.path} was dumped from other samples")
             if not feature_cache.complete:
                 raise ValueError(f"feature_cache: {feature_cache.path} is not complete; finish dumping it first")
-            head = plain_lm_head(target).weight.detach()
+            if labels == "target":
+                if not feature_cache.has_final:
+                    raise ValueError(f"feature_cache: {feature_cache.path} holds no final states, which the target's "
+                                     "labels come from; train with labels='answers' or dump a cache with them")
+                head = plain_lm_head(target).weight.detach()
         predicted = torch.cat([s.ids[s.loss_mask] for s in data])
-        return _SampleBatches(data, feature_cache, head), predicted, "conversations"
+        return _SampleBatches(data, feature_cache, head, labels), predicted, "conversations"
+    if labels != "target":
+        raise ValueError("labels: 'answers' needs conversation samples (the target's own answers); raw texts are "
+                         "labelled by the target")
     if feature_cache is not None:
         raise ValueError("feature_cache: only conversation samples are dumped; raw texts train online")
     stream = token_stream(tokenizer, data)

@@ -151,3 +151,18 @@ def test_experiment_runs_resumes_and_reports(setup, capsys, tmp_path):
     assert main(["experiment", "report", "--out", str(out), "--reference", "elsi-m1"]) == 0
     assert "Δ all vs elsi-m1 (paired)" in capsys.readouterr().out
     _fails([*run[:-2], "--ks", "2", "--no-progress"], capsys, "--out: ")  # another --ks in the same folder
+
+
+def test_train_draft_on_the_answers_labels_dumps_the_layers_only(setup):
+    """--labels answers --cache-dir: the cache holds the layers and no final state, and the run's
+    summary names its labels."""
+    from elsi_fast.training.feature_cache import open_cache
+
+    root, target, answers, _ = setup
+    base = ["train-draft", "--target", str(target), "--layers", "2", "--data", str(answers / "conversations.jsonl"),
+            "--labels", "answers", "--cache-dir", str(root / "layers-cache"), *TRAIN]
+    assert main([*base, "--out", str(root / "answers-draft")]) == 0
+    cache = open_cache(root / "layers-cache")
+    assert cache.complete and not cache.has_final and not (root / "layers-cache" / "final.bin").exists()
+    summary = json.loads((root / "answers-draft" / "train_summary.json").read_text())
+    assert summary["labels"] == "answers" and summary["history"][-1]["tokens"] > 0

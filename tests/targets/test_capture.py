@@ -92,3 +92,30 @@ def test_layer_index_out_of_range():
     with pytest.raises(ValueError, match="layers"):
         with capture_hidden_states(tiny_model("llama"), layers=[5]):
             pass
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("layers", [[0], [1, 3], [2], [4]])
+def test_stop_ends_the_forward_at_the_deepest_layer(arch, layers):
+    """stop=True: the same states as a whole forward, no block above the deepest wanted one runs,
+    the rest of the `with` block is skipped and the hooks are gone afterwards."""
+    model = tiny_model(arch)
+    blocks = decoder_layers(model)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad(), capture_hidden_states(model, layers=layers) as whole:
+        model(ids)
+    ran = []
+    counters = [b.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, b in enumerate(blocks)]
+    after = []
+    with torch.no_grad(), capture_hidden_states(model, layers=layers, stop=True) as cap:
+        model(ids)
+        after.append("ran")
+    for handle in counters:
+        handle.remove()
+    assert after == []
+    assert ran == list(range(max(layers)))
+    assert sorted(cap.states) == layers
+    for l in layers:
+        torch.testing.assert_close(cap.states[l], whole.states[l], rtol=0, atol=0)
+    assert all(not b._forward_hooks and not b._forward_pre_hooks for b in blocks)
+    model(ids)  # and the model runs whole again

@@ -132,3 +132,35 @@ def test_a_prefix_needs_the_whole_dump_and_the_digests(samples, tmp_path, monkey
     assert fc.build(TARGET, samples, [2], tmp_path / "c", progress=False).meta["digests"] == fc.sample_digests(samples)
     assert fc.build(TARGET, samples[:3], [2], tmp_path / "c", progress=False).meta["lengths"] == \
         [len(s.ids) for s in samples[:3]]
+
+
+def test_a_cache_without_final_states_dumps_only_the_layers_and_stops_the_forward(samples, tmp_path):
+    """final=False: the same states as a full cache, no final.bin, and no block above the deepest
+    layer runs; a full cache serves such a request, a layers-only cache refuses soft labels."""
+    from elsi_fast.targets.capture import decoder_layers
+
+    ran = []
+    hooks = [b.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, b in enumerate(decoder_layers(TARGET))]
+    try:
+        states = fc.build(TARGET, samples[:5], [1, 2], tmp_path / "states", batch_size=2, final=False, progress=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert set(ran) == {0, 1}  # h_2 is block 1's output: blocks 2.. never ran
+    assert not (tmp_path / "states" / "final.bin").exists() and not states.has_final
+    assert states.nbytes == sum(len(s.ids) for s in samples[:5]) * 2 * 32 * 4
+    full = fc.build(TARGET, samples[:5], [1, 2], tmp_path / "full", batch_size=2, progress=False)
+    got, want = states.batch(samples, range(5), [2, 1]), full.batch(samples, range(5), [2, 1])
+    assert got[4] is None
+    for a, b in zip(got[:4], want[:4]):
+        assert torch.equal(a, b)
+    assert fc.build(TARGET, samples[:5], [1], tmp_path / "full", final=False, progress=False).has_final
+    with pytest.raises(ValueError, match="holds no final states"):
+        fc.build(TARGET, samples[:5], [1, 2], tmp_path / "states", progress=False)
+    grown = fc.build(TARGET, samples, [1, 2], tmp_path / "states", batch_size=2, final=False, progress=False)
+    assert grown.complete and not (tmp_path / "states" / "final.bin").exists()
+    assert fc.open_cache(tmp_path / "states").meta == grown.meta and not fc.open_cache(tmp_path / "states").has_final
+    for a, b in zip(grown.batch(samples, range(9), [1]), fc.build(TARGET, samples, [1], tmp_path / "whole",
+                                                                 final=False, progress=False).batch(samples, range(9), [1])):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -179,7 +179,7 @@ def test_conversations_train_on_answer_tokens_only(samples, tmp_path):
         torch.isin(answers, draft_vocab_ids(answers, TARGET.config.vocab_size, size - 1)).float().mean())
     assert all(h["tokens"] > 0 for h in history)
     # a batch's rows are exactly those whose predicted token lies in an answer
-    source = train_mod._SampleBatches(samples, None, None)
+    source = train_mod._SampleBatches(samples, None, None, "target")
     _, _, _, mask, _ = source.features(TARGET, [2, 4], torch.tensor([0, 1]), expected, "cpu")
     for b, sample in enumerate(samples[:2]):
         n = len(sample.ids)
@@ -271,7 +271,7 @@ def test_length_sorted_micro_batches_give_the_loss_and_weights_of_one_padded_bat
         for name, tensor in one.items():
             torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(train_mod, "MICRO_BATCH", 2)
-    groups = train_mod._SampleBatches(samples, None, None).micro_batches(picked)
+    groups = train_mod._SampleBatches(samples, None, None, "target").micro_batches(picked)
     lengths = [[len(samples[i].ids) for i in g.tolist()] for g in groups]
     assert sorted(torch.cat(groups).tolist()) == picked.tolist() and all(len(g) <= 2 for g in groups)
     assert [l for g in lengths for l in g] == sorted(len(samples[i].ids) for i in picked.tolist())
@@ -410,3 +410,56 @@ def test_init_from_grows_the_draft_vocabulary(samples, tmp_path):
     again = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "again", init_from=tmp_path / "grown",
                         **{**small, "steps": 1, "draft_vocab_size": None}).draft
     assert again.draft_to_target(torch.arange(20)).tolist() == new  # by default the continued draft's vocabulary
+
+
+def test_answer_labels_are_each_rows_next_answer_token_in_the_draft_vocabulary(samples):
+    """labels="answers": row t is labelled by the draft index of x_{t+2}; rows whose token the draft
+    vocabulary lacks leave the loss; the states are those of the whole forward."""
+    answers = torch.cat([s.ids[s.loss_mask] for s in samples])
+    vocab_ids = draft_vocab_ids(answers, TARGET.config.vocab_size, 12)  # leaves some answer tokens out
+    picked = torch.tensor([3, 0, 5])
+    aux, next_ids, labels, rows, tokens = train_mod._SampleBatches(samples, None, None, "answers").features(
+        TARGET, [1, 3], picked, vocab_ids, "cpu")
+    want_aux, want_next, _, want_rows, want_tokens = train_mod._SampleBatches(samples, None, None, "target").features(
+        TARGET, [1, 3], picked, vocab_ids, "cpu")
+    torch.testing.assert_close(aux, want_aux, rtol=0, atol=0)
+    assert torch.equal(next_ids, want_next) and tokens == want_tokens
+    position = {int(t): j for j, t in enumerate(vocab_ids)}
+    expected_rows, expected_labels = torch.zeros_like(rows), []
+    for b, i in enumerate(picked.tolist()):
+        ids, mask = samples[i].ids.tolist(), samples[i].loss_mask.tolist()
+        for t in range(len(ids) - 2):
+            if mask[t + 2] and ids[t + 2] in position:
+                expected_rows[b, t] = True
+                expected_labels.append(position[ids[t + 2]])
+    assert 0 < int(expected_rows.sum()) < int(want_rows.sum())  # some answer tokens are outside the vocabulary
+    assert torch.equal(rows, expected_rows) and labels.tolist() == expected_labels
+    probs = train_mod._label_probs(labels, 12, 1.0)
+    assert torch.equal(probs.argmax(-1), labels) and torch.equal(probs.sum(-1), torch.ones(len(labels)))
+
+
+def test_answer_labels_train_offline_from_a_cache_without_final_states(samples, tmp_path):
+    from elsi_fast.training.feature_cache import build
+
+    args = {**CONVERSATION_ARGS, "labels": "answers"}
+    online = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "online", **args)
+    cache = build(TARGET, samples, [1, 3], tmp_path / "cache", batch_size=3, final=False, progress=False)
+    offline = train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "offline", feature_cache=cache, **args)
+    losses = [[h["loss"] for h in run.summary["history"]] for run in (online, offline)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4) and losses[0][-1] < losses[0][0]
+    for name, tensor in online.draft.state_dict().items():
+        torch.testing.assert_close(offline.draft.state_dict()[name], tensor, rtol=1e-3, atol=1e-4)
+    assert online.summary["labels"] == "answers" and "labels" not in train_draft(
+        TARGET, TOKENIZER, [1], samples, out_dir=tmp_path / "soft", **{**CONVERSATION_ARGS, "steps": 1}).summary
+    # The labels are part of a run's settings; each kind of label needs what it is made from.
+    with pytest.raises(ValueError, match="resume: .* different settings"):
+        train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "online", **CONVERSATION_ARGS)
+    with pytest.raises(ValueError, match="feature_cache: .* holds no final states"):
+        train_draft(TARGET, TOKENIZER, [1, 3], samples, out_dir=tmp_path / "bad", feature_cache=cache,
+                    **CONVERSATION_ARGS)
+    with pytest.raises(ValueError, match="label_temperature: labels from the answers are one-hot"):
+        train_draft(TARGET, TOKENIZER, [1], samples, out_dir=tmp_path / "bad", label_temperature=0.5, **args)
+    with pytest.raises(ValueError, match="labels: 'answers' needs conversation samples"):
+        train_draft(TARGET, TOKENIZER, [1], TEXTS, out_dir=tmp_path / "bad", steps=1, labels="answers", **SMALL)
+    with pytest.raises(ValueError, match="labels: expected 'target' or 'answers'"):
+        train_draft(TARGET, TOKENIZER, [1], samples, out_dir=tmp_path / "bad", **{**args, "labels": "greedy"})
