@@ -459,6 +459,23 @@ def regenerate_engines(results: Results) -> list[str]:
                      "native, 8 sequences per forward", "ratio", "answers equal"], body)
 
 
+CACHE_DUMP = Source("feature_cache_cpu.jsonl", "feature_cache_dump")
+
+
+def cache_dump(results: Results) -> list[str]:
+    """Reads dump_tokens_per_s/layers-only (baseline: the same dump with the final state) per target
+    and thread count."""
+    body = []
+    for model, threads in (("smollm2-135m-instruct", 2),):
+        row = CACHE_DUMP.pick(results, "dump_tokens_per_s/layers-only", model=model, threads=threads)
+        p = row["params"]
+        cpu = next(name for name, on in CPU_KINDS if on(row["device"]))
+        body.append([model, cpu, str(threads), str(p["layers"]), f"{p['tokens']:,}", f"{row['baseline']:.0f}",
+                     f"{row['value']:.0f}", x(row["ratio"]), "yes" if p["same_layer_states"] else "NO"])
+    return markdown(["target", "CPU", "threads", "layers", "tokens", "layers + final state (tokens/s)",
+                     "layers only (tokens/s)", "ratio", "same layer states"], body)
+
+
 CEILING = Source("draft_ceiling_cpu.jsonl", "draft_ceiling", {"model": "smollm2-135m-instruct", "set": "eagle3-m3"})
 CEILING_CATEGORIES = ("story", "rewrite", "math", "code", "qa", "translation", "summarization", "dialogue")
 
@@ -533,13 +550,17 @@ TABLES: tuple[Table, ...] = (
                                                    "MLP 3072": "elsi-m1-seed0-steps120-mlp3072-c2000"})),
     Table("long-run-smollm2-openings", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the kept SmolLM2 ELSI m=1 draft and its continuations on the conversations sampled after task openings "
-          "(labels at temperature 1 and 0.5)",
+          "(labels at temperature 1 and 0.5, and from the answers)",
           long_run_cells("smollm2-135m-instruct",
                          {"kept draft (plain data)": "elsi-m1-seed0-steps480+400+400+500",
                           "+150 steps on opening conversations only": "elsi-m1-seed0-steps480+400+400+500+150-openings",
                           "the same, labels at temperature 0.5":
-                              "elsi-m1-seed0-steps480+400+400+500+150-lt0.5-c1182-openings"},
+                              "elsi-m1-seed0-steps480+400+400+500+150-lt0.5-c1182-openings",
+                          "the same, labels from the answers (one-hot)":
+                              "elsi-m1-seed0-steps480+400+400+500+150-answers-c1182-openings"},
                          ("held-in", "held-out", "spec-bench", "held-out-openings"))),
+    Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
+          "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "each replayed step of the Gemma 3 ELSI m=1 cell", long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                                                     "elsi-m1-seed0-steps500+300+300-v8192")),
