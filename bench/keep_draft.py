@@ -68,7 +68,8 @@ def keep(cell: Path, model: str, layer_set: str, data: Path) -> Path:
         "tokens_seen": summary.get("parent_tokens", 0) + sum(h["tokens"] for h in summary["history"]),
         "steps": summary.get("parent_steps", 0) + step,
         "recipe": {key: summary.get(key) for key in ("init", "init_from", "draft_vocab_size", "ttt_steps",
-                                                     "batch_size", "lr", "warmup", "seq_len", "weight_decay", "seed")
+                                                     "batch_size", "lr", "warmup", "seq_len", "weight_decay", "seed",
+                                                     "label_temperature", "labels")
                    if key in summary},
         "draft_vocab_coverage": summary.get("draft_vocab_coverage"),
         "final_loss": summary["final_loss"],

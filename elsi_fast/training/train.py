@@ -575,8 +575,8 @@ def train_draft(
                 counts = _all_reduce_sum([sum(c) for c in zip(*(_row_counts(p, ttt_steps) for p in positions))], world)
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
-                for (aux, next_ids, label_logits, rows, group_tokens), group_positions in zip(groups, positions):
-                    probs = _label_probs(label_logits, draft_vocab_size, label_temperature)
+                for (aux, next_ids, row_labels, rows, group_tokens), group_positions in zip(groups, positions):
+                    probs = _label_probs(row_labels, draft_vocab_size, label_temperature)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                         step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
                     loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
