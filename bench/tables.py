@@ -332,27 +332,28 @@ SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-ou
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
 
-def long_run_curve(model: str, *cells: str) -> Callable[[Results], list[str]]:
+def long_run_curve(model: str, *cells: str, after: int = 0,
+                   sets: tuple[str, ...] = LONG_RUN_SETS) -> Callable[[Results], list[str]]:
     """Reads tau_k4 of each kept step of a long run's cells (a cell and the cells continuing it,
-    `draft_long_run --init-from`, named `<parent>+<steps>`) on the evaluation sets (params.set;
-    "held-out-128" only where replayed), with the training tokens seen since the first cell's start (params.tokens_seen)."""
+    `draft_long_run --init-from`, named `<parent>+<steps>`) on the evaluation `sets` (params.set;
+    "-" where a set was not replayed), with the training tokens seen since the first cell's start
+    (params.tokens_seen); `after`: the steps of the parent the first cell continues."""
 
     def render(results: Results) -> list[str]:
-        body, done = [], 0
+        body, done = [], after
         for cell in cells:
             rows = [r for r in results.rows(LONG_RUN.file) if r["params"]["cell"] == cell and r["params"]["model"] == model]
             steps = sorted({row["params"]["step"] for row in rows})
             for step in steps:
-                # held-out-128 came later: the steps replayed before it have no row there
+                # a set not replayed at a step (held-out-128 came later; a middle step on fewer sets): "-"
                 picked = [LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
-                          if name != "held-out-128" or any(r["params"]["step"] == step and r["params"]["set"] == name
-                                                           for r in rows) else None
-                          for name in LONG_RUN_SETS]
+                          if any(r["params"]["step"] == step and r["params"]["set"] == name for r in rows) else None
+                          for name in sets]
                 label = f"{done} + {step}" if done else str(step)
-                body.append([label, f"{picked[0]['params']['tokens_seen'] / 1e6:.2f}M",
+                body.append([label, f"{next(r for r in picked if r)['params']['tokens_seen'] / 1e6:.2f}M",
                              *(f"{r['value']:.3f}" if r else "-" for r in picked)])
             done += max(steps, default=0)
-        return markdown(["step", "training tokens seen", *(SET_LABELS[name] for name in LONG_RUN_SETS)], body)
+        return markdown(["step", "training tokens seen", *(SET_LABELS[name] for name in sets)], body)
 
     return render
 
@@ -541,6 +542,10 @@ TABLES: tuple[Table, ...] = (
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480", "elsi-m1-seed0-steps480+400",
                          "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500",
                          "elsi-m1-seed0-steps480+400+400+500+300-v12288-c9506")),
+    Table("long-run-smollm2-all-data", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
+          "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuation on all the data, labels from the answers",
+          long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers", after=1780,
+                         sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
           long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000")),
