@@ -106,7 +106,7 @@ class FeatureCache:
         return self._arrays[name]
 
     def batch(self, samples: Sequence[Sample], indices: Sequence[int], layers: Sequence[int]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The samples at `indices`, right-padded: (ids [B, T], attention [B, T], loss mask [B, T],
         aux [B, T, len(layers) * d] float32 in `layers`' order, final normed state [B, T, d] float32,
         or None for a cache without it)."""
@@ -159,7 +159,7 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
         raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
     if final and plain_lm_head(target) is None:
         raise ValueError("feature_cache: the target's logits are not a plain linear head of its final state "
-                         "(soft-capped or scaled): train online")
+                         "(soft-capped or scaled): train online, or dump the layers only (final=False) for labels from the answers")
     path = Path(path)
     layers = sorted(set(int(l) for l in layers))
     dim = target.get_input_embeddings().weight.shape[1]
