@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import device_name, record
 from elsi_fast.targets.loading import load_model
-from elsi_fast.training.feature_cache import build
+from elsi_fast.training.feature_cache import build, open_cache
 from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
 from elsi_fast.training.train import train_draft
 from elsi_fast.training.training_data import conversation_samples
@@ -66,13 +66,12 @@ def dump_speed(args) -> None:
         for rep in range(args.reps):  # alternated, so that drifting machine speed hits both alike
             for mode in seconds:
                 start = time.perf_counter()
-                cache = build(model, samples, args.layers, Path(tmp) / f"{rep}-{mode}", dtype="bfloat16",
-                              final=mode == "layers and final state", progress=False)
+                build(model, samples, args.layers, Path(tmp) / f"{rep}-{mode}", dtype="bfloat16",
+                      final=mode == "layers and final state", progress=False)
                 seconds[mode].append(time.perf_counter() - start)
-            full, layers_only = (build(model, samples, args.layers, Path(tmp) / f"0-{mode}", dtype="bfloat16",
-                                       final=False, progress=False) for mode in seconds)
-            same = torch.equal(full.batch(samples, range(len(samples)), args.layers)[3],
-                               layers_only.batch(samples, range(len(samples)), args.layers)[3])
+        full, layers_only = (open_cache(Path(tmp) / f"0-{mode}") for mode in seconds)
+        same = torch.equal(full.batch(samples, range(len(samples)), args.layers)[3],
+                           layers_only.batch(samples, range(len(samples)), args.layers)[3])
     speed = {mode: tokens / statistics.median(s) for mode, s in seconds.items()}
     params = {"model": args.model, "target_dtype": dtype, "layers": args.layers, "conversations": len(samples),
               "tokens": tokens, "reps": args.reps, "threads": torch.get_num_threads(), "cache_dtype": "bfloat16",

@@ -91,7 +91,7 @@ class FeatureCache:
 
     @property
     def has_final(self) -> bool:
-        return self.meta.get("final", True)  # caches dumped before `final=False` all hold it
+        return _holds_final(self.meta)
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +127,10 @@ class FeatureCache:
             if final is not None:
                 final[b, :length] = _to_float(self._array("final")[start : start + length], self.dtype)
         return ids, attention, loss, aux, final
+
+
+def _holds_final(meta: dict) -> bool:
+    return meta.get("final", True)  # caches dumped before `final=False` all hold it
 
 
 def _to_float(array: np.ndarray, dtype: str) -> torch.Tensor:
@@ -175,11 +179,12 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
             held = {k: meta.get(k) for k in ("layers", "dtype")}
             raise ValueError(f"feature_cache: {path} was dumped from another target, data or layer set ({held}); "
                              "use another folder")
-        if final and not meta.get("final", True):
+        if final and not _holds_final(meta):
             raise ValueError(f"feature_cache: {path} holds no final states (dumped for labels from the answers); "
                              "soft labels need a cache with them: use another folder")
-        identity["layers"] = layers = meta["layers"]  # a cache of more layers serves these as it is
-        final = meta.get("final", True)
+        # A cache of more layers, or with the final state, serves these as it is.
+        identity["layers"] = layers = meta["layers"]
+        final = _holds_final(meta)
         size = sum(lengths) * (len(layers) + final) * dim * element
         held = len(meta["lengths"])
         if meta["samples"] == identity["samples"]:
@@ -241,7 +246,7 @@ def _grow(path: Path, meta: dict, identity: dict, lengths: list[int], digests: l
                          f"over the bound {max_bytes / 2**30:.2f} GiB")
     held, tokens = len(meta["lengths"]), sum(lengths)
     width = len(meta["layers"]) * meta["dim"]
-    for name, columns in (("features", width), ("final", meta["dim"]))[: 1 + meta.get("final", True)]:
+    for name, columns in (("features", width), ("final", meta["dim"]))[: 1 + _holds_final(meta)]:
         with open(path / f"{name}.bin", "r+b") as f:
             f.truncate(tokens * columns * element)
     new = sorted(range(held, len(lengths)), key=lambda i: -lengths[i])
