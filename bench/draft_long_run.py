@@ -18,6 +18,9 @@ fare on the kinds of task Spec-Bench asks for, in the target's own words.
 the target's distribution: its cache holds the layers only, dumped up to the deepest one.
 `--conversations N` trains on the first N training conversations only (a cell whose layers cost a
 new feature cache, e.g. the m=3 sets, on a budget; a complete longer cache of the layers serves them).
+`--documents-only` trains on the long-document tasks (`regenerate --corpus-documents`) alone, and
+`--max-tokens` sets the training length (prompt and answer; 512 by default): a 600-token document
+and its answer need about 850, as Spec-Bench's 512-token prompts and their answers need 640.
 
 Stages, each resumable:
 - cache: one bfloat16 feature cache of the training conversations for the layer set, and one per
@@ -41,7 +44,7 @@ from bench.common import device_name, record, shared_data
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "draft_long_run_cpu"
 KEEP = ROOT / "bench" / "results" / "draft_experiment"  # sets.json and eval.answers.json per model
-MAX_TOKENS = 512
+MAX_TOKENS = 512  # the default training length of a conversation (prompt end and answer)
 HELD = 200  # conversations in each of the held-in and held-out sets
 SPEC_BENCH_TOKENS = 128  # the Spec-Bench continuations' length, which held-out-128 cuts answers to
 CURVE_SETS = ("held-in", "held-out", "held-out-128", "spec-bench", "held-out-openings")
@@ -169,6 +172,11 @@ def main() -> None:
                         help="train on the first N training conversations only; names the cell <cell>-c<N>")
     parser.add_argument("--openings-only", action="store_true",
                         help="train on the conversations sampled after task openings only; names the cell <cell>-openings")
+    parser.add_argument("--documents-only", action="store_true",
+                        help="train on the long-document tasks (ids cd-) only; names the cell <cell>-documents")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
+                        help=f"training length of a conversation, the end of its prompt and its answer (default "
+                        f"{MAX_TOKENS}); names the cell <cell>-t<N>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=list(CURVE_SETS), choices=CURVE_SETS,
                         help="the evaluation sets the curve stage replays")
@@ -205,12 +213,18 @@ def main() -> None:
         recipe["labels"] = args.labels
     if args.conversations is not None and args.conversations < 1:
         raise SystemExit(f"--conversations: expected a positive count, got {args.conversations}")
+    if args.openings_only and args.documents_only:
+        raise SystemExit("--documents-only: one selection of the data at a time (not with --openings-only)")
+    if args.max_tokens < 2:
+        raise SystemExit(f"--max-tokens: expected at least 2 (a prompt token and an answer token), got {args.max_tokens}")
+    selection = "-openings" if args.openings_only else "-documents" if args.documents_only else ""
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
         ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
         ("" if args.label_temperature == 1.0 else f"-lt{args.label_temperature:g}") + \
         ("" if args.labels == "target" else f"-{args.labels}") + \
-        ("" if args.conversations is None else f"-c{args.conversations}") + ("-openings" if args.openings_only else "")
+        ("" if args.conversations is None else f"-c{args.conversations}") + \
+        ("" if args.max_tokens == MAX_TOKENS else f"-t{args.max_tokens}") + selection
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
@@ -229,8 +243,12 @@ def main() -> None:
         train = [r for r in train if r["id"] in opening]
         if not train:
             raise SystemExit(f"--openings-only: {args.data} holds no conversations sampled after task openings")
+    if args.documents_only:
+        train = [r for r in train if r["id"].startswith("cd-")]
+        if not train:
+            raise SystemExit(f"--documents-only: {args.data} holds no long-document tasks (regenerate --corpus-documents)")
     train = train[: args.conversations]
-    samples = conversation_samples(train, tokenizer, MAX_TOKENS, model.config.vocab_size)
+    samples = conversation_samples(train, tokenizer, args.max_tokens, model.config.vocab_size)
     evaluation = {"held-in": held_in, "held-out": held_out,
                   "held-out-128": [{**r, "response_ids": list(r["response_ids"])[:SPEC_BENCH_TOKENS]} for r in held_out],
                   "spec-bench": _spec_bench(model, tokenizer, work, keep)}
@@ -247,15 +265,18 @@ def main() -> None:
                                 device_argument="--device", progress=False)[0]
         # Labels from the answers need the layers only, in a folder of their own (one selection of
         # the data per folder: the opening conversations alone are not a prefix of all of them).
+        # A new selection or length gets a folder of its own with either labels.
         folder = f"cache-train-{'-'.join(map(str, layers))}-{str(dumper.dtype).removeprefix('torch.')}" + \
-            ("" if args.labels == "target" else "-layers" + ("-openings" if args.openings_only else ""))
+            ("" if args.labels == "target" else "-layers" + ("-openings" if args.openings_only else "")) + \
+            ("-documents" if args.documents_only else "") + \
+            ("" if args.max_tokens == MAX_TOKENS else f"-t{args.max_tokens}")
         caches["train"] = build(dumper, samples, layers, work / folder, dtype="bfloat16", max_bytes=40 * 2**30,
                                 final=args.labels == "target")
         del dumper
     kept_steps = keep_steps(args.steps)
     if "train" in args.stages:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
-                    warmup=max(1, args.steps // 50), seq_len=MAX_TOKENS, seed=args.seed, save_every=25,
+                    warmup=max(1, args.steps // 50), seq_len=args.max_tokens, seed=args.seed, save_every=25,
                     keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else parent,
                     draft_config={k: v for k, v in recipe.items() if k == "intermediate_size"},
                     **{k: v for k, v in recipe.items() if k != "intermediate_size"})

@@ -8,8 +8,10 @@
 ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` folder,
 `self_instruct.json` (the sampling settings), `instructions_raw.jsonl.gz` (every sampled user
 turn: ids, text, finished; the filter is a function of this file) and `instructions.jsonl.gz`
-(the kept ones), and for a `--corpus-tasks` folder `corpus_tasks.jsonl.gz` (the document tasks,
-whose passages come from the user's corpora). A target without a chat template (Gemma 3 270M, a base model) writes no
+(the kept ones), and for a `--corpus-tasks` / `--corpus-documents` folder the recipe of its document
+tasks, `corpus_tasks.json` / `corpus_documents.json` (the corpora and evaluation prompt files as
+given to `regenerate`, n, seed and the prompts' SHA-256), not their text: the passages are the
+user's corpora's (here the shared folder's), and `restore` builds the same prompts from them again, or stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
 instructions: its folder answers prompt files given to `--prompts` (several, in order), and
 `restore` takes the same files. `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
 command then continues sampling and answering where the kept run stopped. Plain JSON only: no
@@ -30,7 +32,7 @@ KEEP = ROOT / "bench" / "results" / "data"
 
 
 def keep(folder: Path, target: str) -> Path:
-    from elsi_fast.training.corpus_tasks import TASKS_FILE
+    from elsi_fast.training.corpus_tasks import DOCUMENTS_FILE, TASKS_FILE
     from elsi_fast.training.regenerate import SETTINGS_FILE, export_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -39,8 +41,14 @@ def keep(folder: Path, target: str) -> Path:
     sampled = (folder / "self_instruct.json").is_file()
     if sampled:
         shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
-    tasks = (TASKS_FILE,) if (folder / TASKS_FILE).is_file() else ()
-    for name in ((RAW_FILE, KEPT_FILE) if sampled else ()) + tasks:
+    for name in (TASKS_FILE, DOCUMENTS_FILE):
+        recipe = (folder / name).with_suffix(".json")
+        if (folder / name).is_file():
+            if not recipe.is_file():
+                raise SystemExit(f"folder: {folder / name} has no recipe beside it ({recipe.name}); rerun the "
+                                 "regenerate command that wrote it, which writes the same prompts and their recipe")
+            shutil.copyfile(recipe, out / recipe.name)
+    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
         # mtime 0: the same data gives the same bytes, so a re-keep leaves git nothing to commit
         with open(folder / name, "rb") as src, gzip.GzipFile(out / (name + ".gz"), "wb", mtime=0) as dst:
             shutil.copyfileobj(src, dst)
@@ -53,7 +61,7 @@ def keep(folder: Path, target: str) -> Path:
 def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens: int) -> None:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.targets.loading import load_model
-    from elsi_fast.training.corpus_tasks import TASKS_FILE
+    from elsi_fast.training.corpus_tasks import DOCUMENTS_FILE, TASKS_FILE, rebuild_corpus_tasks
     from elsi_fast.training.regenerate import restore_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -64,17 +72,22 @@ def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens:
     sampled = (kept / "self_instruct.json").is_file()
     if sampled:
         shutil.copyfile(kept / "self_instruct.json", folder / "self_instruct.json")
-    tasks = (TASKS_FILE,) if (kept / (TASKS_FILE + ".gz")).is_file() else ()
-    for name in ((RAW_FILE, KEPT_FILE) if sampled else ()) + tasks:
+    for name in (RAW_FILE, KEPT_FILE) if sampled else ():
         with gzip.open(kept / (name + ".gz"), "rb") as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
+    tasks = [name for name in (TASKS_FILE, DOCUMENTS_FILE) if (kept / name).with_suffix(".json").is_file()]
+    for name in tasks:
+        try:
+            rebuild_corpus_tasks(json.loads((kept / name).with_suffix(".json").read_text()), folder)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     model, tokenizer = load_model(target, device="cpu", dtype="float32")
-    # In the order `regenerate` lists them: --prompts, the sampled instructions, the corpus tasks.
+    # In the order `regenerate` lists them: --prompts, the sampled instructions, the corpus tasks, the documents.
     prompts = [prompt for path in prompts_paths for prompt in load_prompts(path)]
     if sampled:
         prompts += load_prompts(str(folder / KEPT_FILE))
-    if tasks:
-        prompts += load_prompts(str(folder / TASKS_FILE))
+    for name in tasks:
+        prompts += load_prompts(str(folder / name))
     with gzip.open(kept / "answers.json.gz", "rt") as f:
         exported = json.load(f)
     engine = exported["settings"].get("engine", "transformers")

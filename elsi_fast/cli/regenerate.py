@@ -63,8 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also answer N document tasks built from --corpus paragraphs (summarize, list the key "
                         "points, extract names and numbers, simplify, a headline, a question about the article; "
                         "anything near --eval-prompts dropped) written to OUT/corpus_tasks.jsonl")
+    parser.add_argument("--corpus-documents", type=positive_int, default=None, metavar="N",
+                        help="also answer N tasks on long documents, consecutive --corpus paragraphs of one article "
+                        "joined into 250-450 words (summarize, key points, extract, a question placed after the "
+                        "text, as in RAG prompts), written to OUT/corpus_documents.jsonl")
     parser.add_argument("--corpus", nargs="+", default=None, metavar="TEXT",
-                        help="--corpus-tasks: plain-text corpora (paragraphs between blank lines; WikiText as it ships)")
+                        help="--corpus-tasks, --corpus-documents: plain-text corpora (paragraphs between blank "
+                        "lines; WikiText as it ships)")
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
                         help="--self-instruct, --corpus-tasks: evaluation prompt files (Spec-Bench, MT-bench) that "
                         "the prompts must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
@@ -130,30 +135,37 @@ def check(args: argparse.Namespace) -> None:
         if not isinstance(args.restored, dict) or not isinstance(args.restored.get("answers"), list) \
                 or not isinstance(args.restored.get("settings"), dict):
             raise UsageError("--restore: expected {\"settings\": ..., \"answers\": [...]} (export_answers output)")
-    if (args.corpus is None) != (args.corpus_tasks is None):
-        raise UsageError("--corpus: goes with --corpus-tasks (the corpora the document tasks are built from)"
-                         if args.corpus is not None else "--corpus-tasks: needs --corpus, the corpora to build them from")
+    corpus_users = [flag for flag, n in (("--corpus-tasks", args.corpus_tasks),
+                                         ("--corpus-documents", args.corpus_documents)) if n is not None]
+    if args.corpus is not None and not corpus_users:
+        raise UsageError("--corpus: goes with --corpus-tasks or --corpus-documents (the corpora their prompts are "
+                         "built from)")
+    if args.corpus is None and corpus_users:
+        raise UsageError(f"{corpus_users[0]}: needs --corpus, the corpora to build them from")
     if args.corpus:
-        from ..training.corpus_tasks import MAX_WORDS, MIN_WORDS, passages
+        from ..training.corpus_tasks import DOCUMENT_WORDS, MAX_WORDS, MIN_WORDS, documents, passages
 
         for path in args.corpus:
             if not os.path.isfile(path):
                 raise UsageError(f"--corpus: no such file: {path}")
-            if not passages(path):  # before the target loads: a typo'd file costs no model load
+            # before the target loads: a typo'd file costs no model load
+            if args.corpus_tasks is not None and not passages(path):
                 raise UsageError(f"--corpus: no paragraph of {MIN_WORDS}-{MAX_WORDS} words in {path}")
+            if args.corpus_documents is not None and not documents(path):
+                raise UsageError(f"--corpus: no document of {DOCUMENT_WORDS[0]}-{DOCUMENT_WORDS[1]} words in {path}")
     args.openings = None
     if args.instruction_openings is not None:
         if args.self_instruct is None:
             raise UsageError("--instruction-openings: only with --self-instruct")
         args.openings = _openings(args.instruction_openings)
-    if args.self_instruct is None and args.corpus_tasks is None:
+    if args.self_instruct is None and not corpus_users:
         if args.eval_prompts is not None:
-            raise UsageError("--eval-prompts: only with --self-instruct or --corpus-tasks")
+            raise UsageError("--eval-prompts: only with --self-instruct, --corpus-tasks or --corpus-documents")
         return
     if not (math.isfinite(args.instruction_temperature) and args.instruction_temperature > 0):
         raise UsageError(f"--instruction-temperature: must be a number > 0, got {args.instruction_temperature}")
     if not args.eval_prompts:
-        which = "--self-instruct" if args.self_instruct is not None else "--corpus-tasks"
+        which = "--self-instruct" if args.self_instruct is not None else corpus_users[0]
         raise UsageError(f"--eval-prompts: {which} needs the evaluation prompt files (e.g. Spec-Bench and "
                          "MT-bench JSONL) so that no prompt it writes comes near them")
     from ..training.self_instruct import evaluation_texts
@@ -220,11 +232,12 @@ def _openings(value: str) -> list[str]:
 
 
 def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
+    from ..analysis.prompts import load_prompts
+    from ..training.corpus_tasks import write_corpus_tasks
     from ..training.regenerate import regenerate
 
     prompts = args.prompt_list
     if args.self_instruct is not None:
-        from ..analysis.prompts import load_prompts
         from ..training.self_instruct import self_instruct
 
         try:
@@ -239,17 +252,17 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
-    if args.corpus_tasks is not None:
-        from ..analysis.prompts import load_prompts
-        from ..training.corpus_tasks import write_corpus_tasks
-
+    for n, long in ((args.corpus_tasks, False), (args.corpus_documents, True)):
+        if n is None:
+            continue
         try:
-            path = write_corpus_tasks(args.corpus, args.out, args.corpus_tasks, eval_texts=args.eval_texts,
-                                      seed=args.seed)
+            path = write_corpus_tasks(args.corpus, args.out, n, eval_prompts=args.eval_prompts, seed=args.seed,
+                                      long=long)
         except ValueError as exc:
             raise UsageError(f"--corpus: {one_line(exc).removeprefix('corpus: ')}") from None
         tasks = load_prompts(str(path))
-        print(f"corpus tasks: {len(tasks)} document tasks from {len(args.corpus)} corpora; {path}")
+        what = "tasks on long documents" if long else "document tasks"
+        print(f"corpus {'documents' if long else 'tasks'}: {len(tasks)} {what} from {len(args.corpus)} corpora; {path}")
         prompts = prompts + tasks
     if args.restore is not None:
         from ..training.regenerate import restore_answers

@@ -50,6 +50,61 @@ def test_passages_are_paragraphs_of_60_to_200_words_under_their_article(corpus):
     assert len(third.split()) == 200 and third.endswith("d3x49.")  # four sentences of 50 words
 
 
+def test_documents_join_consecutive_runs_of_one_article_within_the_word_budget(corpus, tmp_path):
+    # the fixture at a budget of 60-120 words: alpha (70) alone, as beta (65) would pass 120 with it
+    # (gamma, the rest of beta's paragraph after the masked sentence, starts mid-sentence and goes);
+    # the second article's 10 words and its 250-word paragraph (cut at a sentence end within 120:
+    # 100 words) pack into 110
+    found = ct.documents(corpus, (60, 120))
+    assert [(d.split("\n\n"), t) for d, t in found] == [
+        ([words(70, "alpha")], "First Article"),
+        ([words(65, "beta")], "First Article"),
+        ([words(10, "short"), " ".join(words(50, f"d{j}x") for j in range(2))], "Second Article"),
+    ]
+    # runs never cross an article: a budget that would hold everything still gives one per article
+    assert [t for _, t in ct.documents(corpus, (1, 10**4))] == ["First Article", "Second Article"]
+    # a file without headings is one text; under the lower bound nothing is kept
+    plain = tmp_path / "novel.txt"
+    plain.write_text("\n\n".join(words(30, f"p{i}n") for i in range(9)))
+    assert [len(d.split()) for d, _ in ct.documents(plain, (50, 100))] == [90, 90, 90]
+    assert ct.documents(plain, (300, 400)) == []
+
+
+def test_long_tasks_hold_one_document_each_under_their_own_ids(corpus, tmp_path):
+    plain = tmp_path / "novel.txt"
+    plain.write_text("\n\n".join(words(60, f"w{i}n") for i in range(40)))
+    tasks = ct.corpus_tasks([corpus, plain], 100, seed=2, long=True)
+    pool = [d for f in (corpus, plain) for d, _ in ct.documents(f)]
+    # the second article (10 + 250 words) and the 2,400 words of the novel in runs of 7 (420 words),
+    # the last 5 (300) kept
+    assert len(tasks) == len(pool) == 7
+    for task in tasks:
+        assert task["question_id"].startswith("cd-2-") and task["category"].removeprefix("document-") in ct.DOCUMENT_TEMPLATES
+        assert sum(d in task["turns"][0] for d in pool) == 1
+        assert "{title}" not in task["turns"][0] and "about None" not in task["turns"][0]
+    short = tmp_path / "short.txt"
+    short.write_text("\n\n".join(words(60, f"s{i}n") for i in range(4)))  # 240 words in all
+    with pytest.raises(ValueError, match="corpus: no document of 250-450 words"):
+        ct.corpus_tasks([short], 5, long=True)
+
+
+def test_a_recipe_rebuilds_the_same_prompts_and_refuses_other_corpora(corpus, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the recipe holds the paths as given: relative ones resolve from here
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text(json.dumps({"turns": ["Please explain: " + " ".join(f"alpha{i}" for i in range(30, 38))]}))
+    path = ct.write_corpus_tasks([corpus.name], tmp_path / "a", 10, eval_prompts=[evaluation.name], seed=1)
+    recipe = json.loads(path.with_suffix(".json").read_text())
+    assert recipe["corpora"] == ["wiki.txt"] and recipe["n"] == 10 and not recipe["long"]
+    assert len(path.read_text().splitlines()) == 2  # the alpha passage is near the evaluation prompt
+    again = ct.rebuild_corpus_tasks(recipe, tmp_path / "b")
+    assert again.read_bytes() == path.read_bytes() and again.name == ct.TASKS_FILE
+    corpus.write_text(corpus.read_text().replace("beta1 ", "beta1x "))
+    with pytest.raises(ValueError, match="corpus: the prompts rebuilt from wiki.txt differ from the kept ones"):
+        ct.rebuild_corpus_tasks(recipe, tmp_path / "c")
+    with pytest.raises(ValueError, match="corpus: no such file: nope.txt"):
+        ct.rebuild_corpus_tasks({**recipe, "corpora": ["nope.txt"]}, tmp_path / "d")
+
+
 def test_wikitext_spacing_is_undone():
     assert ct._detokenize("a 1 @,@ 000 @-@ year war , ( see below ) isn 't .") == "a 1,000-year war, (see below) isn't."
 
@@ -99,6 +154,8 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
     corpus.write_text(words(70, "x"))
     short = tmp_path / "short.txt"
     short.write_text(words(20, "y"))
+    long_text = tmp_path / "long.txt"
+    long_text.write_text("\n\n".join(words(60, f"z{i}n") for i in range(6)))
     base = ["regenerate", "--target", "smollm2-135m-instruct", "--prompts", str(prompts), "--out",
             str(tmp_path / "out")]
     cases = [
@@ -107,6 +164,9 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
         (["--corpus-tasks", "5", "--corpus", str(tmp_path / "nope.txt")], "--corpus: no such file"),
         (["--corpus-tasks", "5", "--corpus", str(corpus)], "--eval-prompts: --corpus-tasks needs"),
         (["--corpus-tasks", "5", "--corpus", str(corpus), str(short)], f"--corpus: no paragraph of 60-200 words in {short}"),
+        (["--corpus-documents", "5"], "--corpus-documents: needs --corpus"),
+        (["--corpus-documents", "5", "--corpus", str(corpus)], f"--corpus: no document of 250-450 words in {corpus}"),
+        (["--corpus-documents", "5", "--corpus", str(long_text)], "--eval-prompts: --corpus-documents needs"),
     ]
     assert_usage_errors(base, cases, capsys, tmp_path / "out")
 
@@ -136,3 +196,9 @@ def test_cli_answers_the_corpus_tasks_after_the_prompts_and_resumes(tmp_path, co
     assert "answered 1 prompts now (4 in all)" in capsys.readouterr().out
     again = read_conversations(out / CONVERSATIONS_FILE)
     assert again[:3] == records and len(again) == 4
+    # the long documents come after the tasks: the fixture's second article is the one document
+    assert main(argv + ["3", "--corpus-documents", "5"]) == 0
+    last = read_conversations(out / CONVERSATIONS_FILE)
+    (document,) = map(json.loads, (out / ct.DOCUMENTS_FILE).read_text().splitlines())
+    assert last[:4] == again and [(r["id"], r["prompt"]) for r in last[4:]] == [(document["question_id"],
+                                                                               document["turns"][0])]
