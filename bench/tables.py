@@ -378,6 +378,27 @@ def long_run_cells(model: str, cells: dict[str, str],
     return render
 
 
+def long_run_categories(model: str, cells: dict[str, str], categories: tuple[str, ...],
+                        sets: tuple[str, ...] = ("held-out", "spec-bench")) -> Callable[[Results], list[str]]:
+    """Reads tau_k4 of long-run cells (label: cell) at their last replayed step: pooled on `sets`,
+    then Spec-Bench's `categories` (params.per_category): where a data change acts."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for label, cell in cells.items():
+            step = max(r["params"]["step"] for r in results.rows(LONG_RUN.file)
+                       if r["params"]["cell"] == cell and r["params"]["model"] == model)
+            picked = {name: LONG_RUN.pick(results, "tau_k4", model=model, cell=cell, step=step, set=name)
+                      for name in sets + (() if "spec-bench" in sets else ("spec-bench",))}
+            per_category = picked["spec-bench"]["params"]["per_category"]
+            body.append([label, str(step), *(f"{picked[name]['value']:.3f}" for name in sets),
+                         *(f"{per_category[c]:.3f}" for c in categories)])
+        return markdown(["cell", "steps", *(SET_LABELS[name] for name in sets),
+                         *(f"Spec-Bench {c}" for c in categories)], body)
+
+    return render
+
+
 # The kept draft's precision in a draft row: rows before 2026-12-06's int8 rows name none (the
 # draft's own, bf16).
 DRAFT_DTYPES = (("bf16", lambda dtype: dtype in (None, "bf16")), ("int8", lambda dtype: dtype == "int8"))
@@ -564,6 +585,13 @@ TABLES: tuple[Table, ...] = (
                           "the same, labels from the answers (one-hot)":
                               "elsi-m1-seed0-steps480+400+400+500+150-answers-c1182-openings"},
                          ("held-in", "held-out", "spec-bench", "held-out-openings"))),
+    Table("long-run-smollm2-documents", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
+          "(pooled and Spec-Bench per category) of the kept SmolLM2 draft and its continuation on the long-document "
+          "tasks alone", long_run_categories("smollm2-135m-instruct", {
+              "kept draft": "elsi-m1-seed0-steps480+400+400+500+1200-answers",
+              "+120 steps on the long documents only (1,024 tokens)":
+                  "elsi-m1-seed0-steps480+400+400+500+1200-answers+120-answers-t1024-documents"},
+              ("summarization", "rag", "extraction", "qa", "translation", "writing"))),
     Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
           "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "

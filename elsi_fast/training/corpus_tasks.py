@@ -16,12 +16,13 @@ its `= Title =` headings name the article that the title question asks about. Th
 function of the corpus files, `n` and `seed`, and each prompt's id names its seed and position, so
 `regenerate` resumes it like any prompt file.
 
-Documents (`documents`; `corpus_tasks(long=True)`, `regenerate --corpus-documents`) are consecutive paragraphs of one
-article joined into 250-450 words (about 330-600 tokens). Why: 141 of Spec-Bench's 160 summarization
-and RAG prompts fill the 512 tokens they are cut to, so their answers start past position 512, while
-17 of SmolLM2's 20,107 training conversations have a prompt of 400 tokens or more (the paragraph
-tasks run to about 250, the self-written turns to about 100; docs/real-models.md, "Long prompts"):
-a third of Spec-Bench asks the draft for what it never trained on.
+Documents (`documents`; `corpus_tasks(long=True)`, `regenerate --corpus-documents`) are consecutive
+paragraphs of one article joined into 250-450 words (SmolLM2 prompts of 360-940 tokens). Why: 141
+of Spec-Bench's 160 summarization and RAG prompts fill the 512 tokens they are cut to, so their
+answers start past position 512, while 17 of SmolLM2's 20,107 training conversations had a prompt
+of 400 tokens or more (the paragraph tasks run to about 250, the self-written turns to about 100;
+docs/real-models.md, "Long prompts"): a third of Spec-Bench asked the draft for what it never
+trained on.
 """
 
 from __future__ import annotations
