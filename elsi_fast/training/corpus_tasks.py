@@ -22,7 +22,7 @@ of Spec-Bench's 160 summarization and RAG prompts fill the 512 tokens they are c
 answers start past position 512, while 17 of SmolLM2's 20,107 training conversations had a prompt
 of 400 tokens or more (the paragraph tasks run to about 250, the self-written turns to about 100;
 docs/real-models.md, "Long prompts"): a third of Spec-Bench asked the draft for what it never
-trained on.
+trained on. Trained on alone, they held those two categories and lowered the rest (same section).
 """
 
 from __future__ import annotations
