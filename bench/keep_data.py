@@ -10,8 +10,9 @@ ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` 
 turn: ids, text, finished; the filter is a function of this file) and `instructions.jsonl.gz`
 (the kept ones), and for a `--corpus-tasks` / `--corpus-documents` folder the recipe of its document
 tasks, `corpus_tasks.json` / `corpus_documents.json` (the corpora and evaluation prompt files as
-given to `regenerate`, n, seed and the prompts' SHA-256), not their text: the passages are the
-user's corpora's (here the shared folder's), and `restore` builds the same prompts from them again, or stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
+given to `regenerate`, n, seed and the prompts' SHA-256), not their text, which comes from the
+user's corpora (here the shared folder's): `restore` builds the same prompts from them again, or
+stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
 instructions: its folder answers prompt files given to `--prompts` (several, in order), and
 `restore` takes the same files. `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
 command then continues sampling and answering where the kept run stopped. Plain JSON only: no

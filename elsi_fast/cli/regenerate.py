@@ -71,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="--corpus-tasks, --corpus-documents: plain-text corpora (paragraphs between blank "
                         "lines; WikiText as it ships)")
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
-                        help="--self-instruct, --corpus-tasks: evaluation prompt files (Spec-Bench, MT-bench) that "
-                        "the prompts must stay away from (a shared word 8-gram or a near duplicate of a turn drops one)")
+                        help="--self-instruct, --corpus-tasks, --corpus-documents: evaluation prompt files "
+                        "(Spec-Bench, MT-bench) that the prompts must stay away from (a shared word 8-gram or a near "
+                        "duplicate of a turn drops one)")
     parser.add_argument("--restore", default=None, metavar="ANSWERS_JSON",
                         help="first rebuild OUT from kept answers (export_answers output, .json or .json.gz) made "
                         "with these same settings and prompts, on this or another machine, then continue")
@@ -252,7 +253,8 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
-    for n, long in ((args.corpus_tasks, False), (args.corpus_documents, True)):
+    for n, long, label in ((args.corpus_tasks, False, "corpus tasks: {} document tasks"),
+                           (args.corpus_documents, True, "corpus documents: {} tasks on long documents")):
         if n is None:
             continue
         try:
@@ -261,8 +263,7 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
         except ValueError as exc:
             raise UsageError(f"--corpus: {one_line(exc).removeprefix('corpus: ')}") from None
         tasks = load_prompts(str(path))
-        what = "tasks on long documents" if long else "document tasks"
-        print(f"corpus {'documents' if long else 'tasks'}: {len(tasks)} {what} from {len(args.corpus)} corpora; {path}")
+        print(f"{label.format(len(tasks))} from {len(args.corpus)} corpora; {path}")
         prompts = prompts + tasks
     if args.restore is not None:
         from ..training.regenerate import restore_answers
