@@ -270,8 +270,9 @@ def main() -> None:
             ("" if args.labels == "target" else "-layers" + ("-openings" if args.openings_only else "")) + \
             ("-documents" if args.documents_only else "") + \
             ("" if args.max_tokens == MAX_TOKENS else f"-t{args.max_tokens}")
+        # Another selection's or length's cache already holds every conversation that comes out the same.
         caches["train"] = build(dumper, samples, layers, work / folder, dtype="bfloat16", max_bytes=40 * 2**30,
-                                final=args.labels == "target")
+                                final=args.labels == "target", reuse=sorted(work.glob("cache-train-*")))
         del dumper
     kept_steps = keep_steps(args.steps)
     if "train" in args.stages:

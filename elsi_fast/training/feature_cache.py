@@ -19,7 +19,10 @@ A cache grows with its data: built again with more samples after the ones it hol
 `regenerate` run appends its new conversations), it keeps them and dumps only the new ones. Built
 with the first samples of the ones it holds, or with some of its layers, a complete cache serves
 them as they are (a cell trained on a prefix of the data, or one layer of an m=3 set, needs no
-dump of its own); each sample's digest in the meta proves the prefix.
+dump of its own); each sample's digest in the meta proves the prefix. Given other caches to
+`reuse` (of the same target, dtype and layers or more), a sample already dumped in one of them,
+by its digest, is copied from there instead of forwarded: a cell at another training length
+shares every conversation short enough to come out the same.
 """
 
 from __future__ import annotations
@@ -151,14 +154,16 @@ def open_cache(path: str | os.PathLike) -> FeatureCache:
 
 def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | os.PathLike, *,
           dtype: str = "float32", max_bytes: int = DEFAULT_MAX_BYTES, batch_size: int = 8,
-          final: bool = True, progress: bool = True) -> FeatureCache:
+          final: bool = True, reuse: Sequence[str | os.PathLike] = (), progress: bool = True) -> FeatureCache:
     """Dump (or continue dumping) the cache of `samples` for `layers` into `path`; see the module
     docstring. An existing cache of the same target and dtype that holds `layers` (or more) is
     returned as it is for the same samples, grows for a longer list that starts with its samples
     (the new ones are dumped), and serves a shorter list that its samples start with once it is
     complete; other data, another target or missing layers are refused. final: dump the final
     normed state too (soft labels); a cache that holds it serves `final=False` as it is, one
-    without it cannot serve `final=True`."""
+    without it cannot serve `final=True`. reuse: folders of other caches whose dumped samples are
+    copied rather than forwarded; one of another target, dtype or layer set (or without the final
+    state this one needs), or no cache at all, is passed over."""
     if dtype not in _DTYPES:
         raise ValueError(f"cache_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
     if final and plain_lm_head(target) is None:
@@ -225,8 +230,64 @@ def build(target, samples: Sequence[Sample], layers: Sequence[int], path: str | 
                 f.truncate(tokens * width * element)
         _write_meta(path, meta)
         cache = FeatureCache(path, meta)
+    _copy_reused(cache, [Path(r) for r in reuse if Path(r).resolve() != path.resolve()], progress)
     _fill(target, samples, cache, batch_size, progress)
     return cache
+
+
+def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, chunk: int = 256) -> None:
+    """Copy the samples still to dump that a source cache has dumped (by digest), chunk by chunk,
+    advancing `done` after each (they move to the front of the queue first, so an interrupted copy
+    continues like an interrupted dump)."""
+    from tqdm.auto import tqdm
+
+    meta = cache.meta
+    found: dict[str, tuple[FeatureCache, int]] = {}
+    for folder in sources:
+        if not (folder / META_FILE).is_file():
+            continue
+        source = open_cache(folder)
+        if any(source.meta.get(k) != meta[k] for k in ("version", "target", "dim", "dtype")) or \
+                not set(cache.layers) <= set(source.layers) or (cache.has_final and not source.has_final) or \
+                source.meta.get("digests") is None:
+            continue
+        for j in source.meta["order"][: source.meta["done"]]:
+            found.setdefault(source.meta["digests"][j], (source, j))
+    done, pending = meta["done"], meta["order"][meta["done"] :]
+    copied = [i for i in pending if meta["digests"][i] in found]
+    if not copied:
+        return
+    chosen = set(copied)
+    meta["order"] = meta["order"][:done] + copied + [i for i in pending if i not in chosen]
+    _write_meta(cache.path, meta)
+    names = ("features", "final")[: 1 + cache.has_final]
+    targets = {name: np.memmap(cache.path / f"{name}.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
+                               shape=(meta["tokens"], (len(cache.layers) * cache.dim, cache.dim)[n]))
+               for n, name in enumerate(names)}
+    columns = {id(source): np.concatenate([np.arange(source.layers.index(l) * source.dim,
+                                                     (source.layers.index(l) + 1) * source.dim) for l in cache.layers])
+               for source, _ in found.values()}
+    bar = tqdm(total=sum(meta["lengths"][i] for i in copied), unit="tok", unit_scale=True,
+               desc="copy features of other caches", disable=not progress)
+    try:
+        with DeferredInterrupt("the feature cache") as interrupt:
+            for at in range(0, len(copied), chunk):
+                batch = copied[at : at + chunk]
+                for i in batch:
+                    source, j = found[meta["digests"][i]]
+                    start, begin, length = meta["offsets"][i], source.meta["offsets"][j], meta["lengths"][i]
+                    targets["features"][start : start + length] = \
+                        source._array("features")[begin : begin + length][:, columns[id(source)]]
+                    if "final" in targets:
+                        targets["final"][start : start + length] = source._array("final")[begin : begin + length]
+                for array in targets.values():
+                    array.flush()
+                meta["done"] += len(batch)
+                _write_meta(cache.path, meta)
+                bar.update(sum(meta["lengths"][i] for i in batch))
+                interrupt.raise_if_requested()
+    finally:
+        bar.close()
 
 
 def _prefix_meta(meta: dict, identity: dict, count: int, size: int) -> dict:

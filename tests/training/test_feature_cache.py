@@ -164,3 +164,36 @@ def test_a_cache_without_final_states_dumps_only_the_layers_and_stops_the_forwar
                                                                  final=False, progress=False).batch(samples, range(9), [1])):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_cache_copies_the_samples_other_caches_hold_and_dumps_the_rest(samples, tmp_path, monkeypatch):
+    """reuse: samples dumped elsewhere (by digest, any position) are copied, with the columns of
+    the layers asked for; only the others are forwarded; caches that cannot serve are passed over."""
+    fc.build(TARGET, [samples[5], samples[1], samples[7]], [1, 2], tmp_path / "a", batch_size=2, progress=False)
+    fc.build(TARGET, samples[:3], [1], tmp_path / "other-layer", progress=False)  # lacks layer 2
+    fc.build(TARGET, samples[:3], [2], tmp_path / "half", dtype="bfloat16", progress=False)  # another dtype
+    _interrupt_dump(samples, tmp_path / "partial", monkeypatch, 2)  # samples[:2]... in its order, then stopped
+    partial = fc.open_cache(tmp_path / "partial").meta
+    real, forwarded = TARGET.base_model.forward, []
+
+    def count(*args, input_ids, **kwargs):
+        forwarded.append(len(input_ids))
+        return real(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(TARGET.base_model, "forward", count)
+    cache = fc.build(TARGET, samples, [2], tmp_path / "new", batch_size=2, final=False, progress=False,
+                     reuse=[tmp_path / name for name in ("a", "other-layer", "half", "partial", "missing")])
+    monkeypatch.setattr(TARGET.base_model, "forward", real)
+    copied = {5, 1, 7} | set(partial["order"][: partial["done"]])
+    assert sum(forwarded) == len(samples) - len(copied) and cache.complete
+    whole = fc.build(TARGET, samples, [2], tmp_path / "whole", batch_size=2, final=False, progress=False)
+    everything = list(range(len(samples)))
+    for got, want in zip(cache.batch(samples, everything, [2]), whole.batch(samples, everything, [2])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # other batches, same math
+    aux = cache.batch(samples, [5], [2])[3][0, : len(samples[5].ids)]
+    torch.testing.assert_close(aux, _direct(samples[5], [2])[0], rtol=1e-5, atol=1e-6)
+    # A cache that needs the final state takes none from a cache without it.
+    forwarded.clear()
+    monkeypatch.setattr(TARGET.base_model, "forward", count)
+    fc.build(TARGET, samples[:4], [2], tmp_path / "with-final", progress=False, reuse=[tmp_path / "new"])
+    assert sum(forwarded) == 4
