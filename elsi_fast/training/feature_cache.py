@@ -119,8 +119,7 @@ class FeatureCache:
         picked = [samples[i] for i in indices]
         ids, attention, loss = pad_samples(picked)
         width = ids.shape[1]
-        columns = np.concatenate([np.arange(self.layers.index(l) * self.dim, (self.layers.index(l) + 1) * self.dim)
-                                  for l in layers])
+        columns = _columns(self.layers, self.dim, layers)
         aux = torch.zeros(len(picked), width, len(layers) * self.dim)
         final = torch.zeros(len(picked), width, self.dim) if self.has_final else None
         features = self._array("features")
@@ -130,6 +129,30 @@ class FeatureCache:
             if final is not None:
                 final[b, :length] = _to_float(self._array("final")[start : start + length], self.dtype)
         return ids, attention, loss, aux, final
+
+
+def _columns(held: Sequence[int], dim: int, layers: Sequence[int]) -> np.ndarray:
+    """The feature columns of `layers`, in their order, in a cache that holds `held`."""
+    return np.concatenate([np.arange(held.index(l) * dim, (held.index(l) + 1) * dim) for l in layers])
+
+
+def _writable(cache: "FeatureCache") -> dict[str, np.memmap]:
+    """The cache's arrays opened for writing: features and, if it holds them, the final states."""
+    meta = cache.meta
+    widths = {"features": len(cache.layers) * cache.dim, "final": cache.dim}
+    return {name: np.memmap(cache.path / f"{name}.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
+                            shape=(meta["tokens"], widths[name])) for name in ("features", "final")[: 1 + cache.has_final]}
+
+
+def _commit(cache: "FeatureCache", arrays: dict[str, np.memmap], batch: Sequence[int], bar, interrupt) -> None:
+    """Make a written batch durable: flush the arrays, then count it done in the meta (a crash
+    loses at most the batch under way), then stop there if Ctrl-C came during it."""
+    for array in arrays.values():
+        array.flush()
+    cache.meta["done"] += len(batch)
+    _write_meta(cache.path, cache.meta)
+    bar.update(sum(cache.meta["lengths"][i] for i in batch))
+    interrupt.raise_if_requested()
 
 
 def _holds_final(meta: dict) -> bool:
@@ -260,13 +283,8 @@ def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, c
     chosen = set(copied)
     meta["order"] = meta["order"][:done] + copied + [i for i in pending if i not in chosen]
     _write_meta(cache.path, meta)
-    names = ("features", "final")[: 1 + cache.has_final]
-    targets = {name: np.memmap(cache.path / f"{name}.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
-                               shape=(meta["tokens"], (len(cache.layers) * cache.dim, cache.dim)[n]))
-               for n, name in enumerate(names)}
-    columns = {id(source): np.concatenate([np.arange(source.layers.index(l) * source.dim,
-                                                     (source.layers.index(l) + 1) * source.dim) for l in cache.layers])
-               for source, _ in found.values()}
+    arrays = _writable(cache)
+    columns = {id(source): _columns(source.layers, source.dim, cache.layers) for source, _ in found.values()}
     bar = tqdm(total=sum(meta["lengths"][i] for i in copied), unit="tok", unit_scale=True,
                desc="copy features of other caches", disable=not progress)
     try:
@@ -276,16 +294,11 @@ def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, c
                 for i in batch:
                     source, j = found[meta["digests"][i]]
                     start, begin, length = meta["offsets"][i], source.meta["offsets"][j], meta["lengths"][i]
-                    targets["features"][start : start + length] = \
+                    arrays["features"][start : start + length] = \
                         source._array("features")[begin : begin + length][:, columns[id(source)]]
-                    if "final" in targets:
-                        targets["final"][start : start + length] = source._array("final")[begin : begin + length]
-                for array in targets.values():
-                    array.flush()
-                meta["done"] += len(batch)
-                _write_meta(cache.path, meta)
-                bar.update(sum(meta["lengths"][i] for i in batch))
-                interrupt.raise_if_requested()
+                    if "final" in arrays:
+                        arrays["final"][start : start + length] = source._array("final")[begin : begin + length]
+                _commit(cache, arrays, batch, bar, interrupt)
     finally:
         bar.close()
 
@@ -331,11 +344,9 @@ def _fill(target, samples: Sequence[Sample], cache: FeatureCache, batch_size: in
     from tqdm.auto import tqdm
 
     meta = cache.meta
-    dim, layers = cache.dim, cache.layers
-    features = np.memmap(cache.path / "features.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
-                         shape=(meta["tokens"], len(layers) * dim))
-    finals = np.memmap(cache.path / "final.bin", dtype=_DTYPES[cache.dtype][1], mode="r+",
-                       shape=(meta["tokens"], dim)) if cache.has_final else None
+    layers = cache.layers
+    arrays = _writable(cache)
+    features, finals = arrays["features"], arrays.get("final")
     device = target.get_input_embeddings().weight.device
     order = meta["order"]
     bar = tqdm(total=meta["tokens"], initial=sum(meta["lengths"][i] for i in order[: meta["done"]]), unit="tok",
@@ -359,13 +370,7 @@ def _fill(target, samples: Sequence[Sample], cache: FeatureCache, batch_size: in
                     if finals is not None:
                         finals[start : start + length] = _from_float(out.last_hidden_state[b, :length].float().cpu(),
                                                                      cache.dtype)
-                features.flush()
-                if finals is not None:
-                    finals.flush()
-                meta["done"] += len(batch)
-                _write_meta(cache.path, meta)
-                bar.update(sum(meta["lengths"][i] for i in batch))
-                interrupt.raise_if_requested()
+                _commit(cache, arrays, batch, bar, interrupt)
     finally:
         bar.close()
         target.train(was_training)
