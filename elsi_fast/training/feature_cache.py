@@ -266,6 +266,7 @@ def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, c
 
     meta = cache.meta
     found: dict[str, tuple[FeatureCache, int]] = {}
+    columns: dict[int, np.ndarray] = {}  # id(source) -> its columns of this cache's layers
     for folder in sources:
         if not (folder / META_FILE).is_file():
             continue
@@ -274,6 +275,7 @@ def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, c
                 not set(cache.layers) <= set(source.layers) or (cache.has_final and not source.has_final) or \
                 source.meta.get("digests") is None:
             continue
+        columns[id(source)] = _columns(source.layers, source.dim, cache.layers)
         for j in source.meta["order"][: source.meta["done"]]:
             found.setdefault(source.meta["digests"][j], (source, j))
     done, pending = meta["done"], meta["order"][meta["done"] :]
@@ -284,7 +286,6 @@ def _copy_reused(cache: FeatureCache, sources: Sequence[Path], progress: bool, c
     meta["order"] = meta["order"][:done] + copied + [i for i in pending if i not in chosen]
     _write_meta(cache.path, meta)
     arrays = _writable(cache)
-    columns = {id(source): _columns(source.layers, source.dim, cache.layers) for source, _ in found.values()}
     bar = tqdm(total=sum(meta["lengths"][i] for i in copied), unit="tok", unit_scale=True,
                desc="copy features of other caches", disable=not progress)
     try:
