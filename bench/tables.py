@@ -596,11 +596,12 @@ TABLES: tuple[Table, ...] = (
     Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
           "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "each replayed step of the Gemma 3 ELSI m=1 cell and its continuations (the last on all the data, labels "
+          "each replayed step of the Gemma 3 ELSI m=1 cell and its continuations (the last two on all the data, labels "
           "from the answers)",
           long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                          "elsi-m1-seed0-steps500+300+300-v8192",
-                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers")),
+                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers",
+                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers")),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
