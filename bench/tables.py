@@ -436,8 +436,8 @@ def _draft_cell(rows: list[Row] | None) -> str:
 def native_target_table(source: Source, kinds: tuple[str, ...]) -> Callable[[Results], list[str]]:
     """Reads greedy_tokens_per_s (baseline: llama.cpp's tg), verify_cost T=5 and draft_tokens_per_s
     k=1..3 (the kept m=1 draft, bf16 and int8 weights) of each file type of `kinds` and thread
-    count, with native greedy on the draft rows' own prompts ("-" in rows measured before it was
-    kept)."""
+    count, with native greedy on the draft rows' own prompts ("-" for rows recorded before the
+    benchmark measured it)."""
 
     def render(results: Results) -> list[str]:
         body = []
