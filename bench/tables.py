@@ -562,9 +562,11 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps480+400+400+500+300-v12288-c9506")),
     Table("long-run-smollm2-all-data", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuations on all the data, labels from the answers "
-          "(the second with the long documents, at 1,024 tokens)",
+          "(the second with the long documents, at 1,024 tokens; the third at peak lr 1e-3)",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers",
-                         "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024", after=1780,
+                         "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024",
+                         "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024+1200-lr0.001-answers-t1024",
+                         after=1780,
                          sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
