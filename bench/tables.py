@@ -569,8 +569,10 @@ TABLES: tuple[Table, ...] = (
                          after=1780,
                          sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
-          "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell",
-          long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000")),
+          "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell and its continuation on all the data (labels from "
+          "the answers, 1,024 tokens)",
+          long_run_curve("smollm2-135m-instruct", "eagle3-m3-seed0-steps300-c2000",
+                         "eagle3-m3-seed0-steps300-c2000+800-answers-t1024")),
     Table("long-run-smollm2-capacity", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the SmolLM2 ELSI m=1 cells with the target's MLP width and twice it, on the first 2,000 conversations",
           long_run_cells("smollm2-135m-instruct", {"MLP 1536 (the target's)": "elsi-m1-seed0-steps120-c2000",
