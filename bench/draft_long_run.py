@@ -18,7 +18,9 @@ fare on the kinds of task Spec-Bench asks for, in the target's own words.
 the target's distribution: its cache holds the layers only, dumped up to the deepest one.
 `--conversations N` trains on the first N training conversations only (a cell whose layers cost a
 new feature cache, e.g. the m=3 sets, on a budget; a complete longer cache of the layers serves them).
-`--documents-only` trains on the long-document tasks (`regenerate --corpus-documents`) alone, and
+`--repeat CATEGORY K` draws one category's conversations K times as often (e.g. the task prompts
+of `bench.task_sources`, a few percent of the data). `--documents-only` trains on the long-document
+tasks (`regenerate --corpus-documents`) alone, and
 `--max-tokens` sets the training length (prompt and answer; 512 by default): a 600-token document
 and its answer need about 850, as Spec-Bench's 512-token prompts and their answers need 640.
 
@@ -101,6 +103,19 @@ def held_sets(records: list[dict], keep: Path, seed: int = 0,
             [by_id[i] for i in ids["held-out"]])
 
 
+def repeated(train: list[dict], repeats: dict[str, int]) -> list[dict]:
+    """`train` with K - 1 more copies of each conversation of a category that `repeats` maps to K,
+    appended in order: the feature cache of `train` alone is a prefix that the longer list grows
+    from, and the sampler draws a repeated conversation K times as often."""
+    out = list(train)
+    for category, times in repeats.items():
+        chosen = [r for r in train if r.get("category") == category]
+        if not chosen:
+            raise ValueError(f"no training conversations of category {category!r}")
+        out += chosen * (times - 1)
+    return out
+
+
 def held_out_openings(records: list[dict], keep: Path, seed: int = 0) -> list[dict]:
     """The held-out conversations sampled after task openings (`held_sets`), or none yet."""
     ids = json.loads((keep / f"long-run-split-seed{seed}.json").read_text()).get("held-out-openings", [])
@@ -177,6 +192,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
                         help=f"training length of a conversation, the end of its prompt and its answer (default "
                         f"{MAX_TOKENS}); names the cell <cell>-t<N>")
+    parser.add_argument("--repeat", nargs=2, action="append", default=[], metavar=("CATEGORY", "K"),
+                        help="draw the training conversations of CATEGORY (e.g. task-translation) K times as often "
+                        "(K copies in the sampled list; repeatable); names the cell <cell>-r<CATEGORY><K>")
     parser.add_argument("--stages", nargs="+", default=["cache", "train", "curve"])
     parser.add_argument("--curve-sets", nargs="+", default=list(CURVE_SETS), choices=CURVE_SETS,
                         help="the evaluation sets the curve stage replays")
@@ -217,6 +235,11 @@ def main() -> None:
         raise SystemExit("--documents-only: one selection of the data at a time (not with --openings-only)")
     if args.max_tokens < 2:
         raise SystemExit(f"--max-tokens: expected at least 2 (a prompt token and an answer token), got {args.max_tokens}")
+    repeats = {}
+    for category, times in args.repeat:
+        if not times.isdigit() or int(times) < 2:
+            raise SystemExit(f"--repeat: K must be an integer >= 2 (copies of {category}), got {times!r}")
+        repeats[category] = int(times)
     selection = "-openings" if args.openings_only else "-documents" if args.documents_only else ""
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
@@ -224,7 +247,8 @@ def main() -> None:
         ("" if args.label_temperature == 1.0 else f"-lt{args.label_temperature:g}") + \
         ("" if args.labels == "target" else f"-{args.labels}") + \
         ("" if args.conversations is None else f"-c{args.conversations}") + \
-        ("" if args.max_tokens == MAX_TOKENS else f"-t{args.max_tokens}") + selection
+        ("" if args.max_tokens == MAX_TOKENS else f"-t{args.max_tokens}") + selection + \
+        "".join(f"-r{category}{times}" for category, times in repeats.items())
     keep = KEEP / args.model
     layers = json.loads((keep / "sets.json").read_text())[args.set]
     work = ROOT / "runs" / "long-run" / args.model
@@ -247,7 +271,11 @@ def main() -> None:
         train = [r for r in train if r["id"].startswith("cd-")]
         if not train:
             raise SystemExit(f"--documents-only: {args.data} holds no long-document tasks (regenerate --corpus-documents)")
-    train = train[: args.conversations]
+    train = distinct = train[: args.conversations]
+    try:
+        train = repeated(train, repeats)
+    except ValueError as exc:
+        raise SystemExit(f"--repeat: {args.data}: {exc}") from None
     samples = conversation_samples(train, tokenizer, args.max_tokens, model.config.vocab_size)
     evaluation = {"held-in": held_in, "held-out": held_out,
                   "held-out-128": [{**r, "response_ids": list(r["response_ids"])[:SPEC_BENCH_TOKENS]} for r in held_out],
@@ -284,7 +312,8 @@ def main() -> None:
         # The data as trained on (the data folder may grow afterwards), and for a continued cell its
         # parent's tokens and steps, which its curve and kept facts count.
         summary = json.loads((cell / SUMMARY_FILE).read_text())
-        summary.update(conversations=len(train), answer_tokens=sum(len(r["response_ids"]) for r in train))
+        summary.update(conversations=len(distinct), answer_tokens=sum(len(r["response_ids"]) for r in distinct),
+                       **({"repeat": repeats} if repeats else {}))
         if args.init_from is not None:
             summary.update(parent_tokens=parent_tokens, parent_steps=parent_steps)
         (cell / SUMMARY_FILE).write_text(json.dumps(summary))
@@ -297,7 +326,7 @@ def main() -> None:
     summary_path = cell / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     history = summary.get("history", [])
-    trained_on = summary.get("conversations", len(train))  # the data may have grown since
+    trained_on = summary.get("conversations", len(distinct))  # the data may have grown since
     tokens_at = {h["step"]: parent_tokens + sum(x["tokens"] for x in history[: h["step"]]) for h in history}
     results = ROOT / "bench" / "results" / f"{RESULTS}.jsonl"
     earlier = [json.loads(line)["params"] for line in results.read_text().splitlines()] if results.is_file() else []

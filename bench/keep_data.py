@@ -2,7 +2,9 @@
 
     .venv/bin/python -m bench.keep_data keep runs/data-smollm2 --target smollm2-135m-instruct
     .venv/bin/python -m bench.keep_data restore runs/data-smollm2 --target smollm2-135m-instruct \
-        --prompts ../shared/data/prompts/train_instructions.jsonl --max-new-tokens 256
+        --prompts ../shared/data/prompts/train_instructions.jsonl \
+        bench/results/data/smollm2-135m-instruct/task_prompts/{translation,summarization}.jsonl \
+        --max-new-tokens 256
 
 `keep` writes bench/results/data/<target>/: `answers.json.gz` (`export_answers`: ids and token
 ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` folder,
@@ -14,9 +16,10 @@ given to `regenerate`, n, seed and the prompts' SHA-256), not their text, which 
 user's corpora (here the shared folder's): `restore` builds the same prompts from them again, or
 stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
 instructions: its folder answers prompt files given to `--prompts` (several, in order), and
-`restore` takes the same files. `restore` unpacks them into the folder, and the same `elsi-fast regenerate`
-command then continues sampling and answering where the kept run stopped. Plain JSON only: no
-file here can execute code when read.
+`restore` takes the same files. Prompt files made for a target (`bench/task_sources.py`) are
+kept beside its data, under `task_prompts/`, and given to `--prompts` in the same order. `restore`
+unpacks them into the folder, and the same `elsi-fast regenerate` command then continues sampling
+and answering where the kept run stopped. Plain JSON only: no file here can execute code when read.
 """
 
 from __future__ import annotations

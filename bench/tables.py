@@ -478,6 +478,18 @@ def regenerate_engines(results: Results) -> list[str]:
                      "native, 8 sequences per forward", "ratio", "answers equal"], body)
 
 
+def regenerate_transformers(results: Results) -> list[str]:
+    """Reads new_tokens_per_s/transformers (baseline: the native engine on the same prompts) at 2 threads."""
+    row = REGENERATE.pick(results, "new_tokens_per_s/transformers", model="smollm2-135m-instruct", threads=2)
+    p = row["params"]
+    cpu = "AMX" if "amx" in row["device"] else next(name for name, on in CPU_KINDS if on(row["device"]))
+    body = [[p["model"], cpu, str(p["threads"]), str(p["prompts"]),
+             f"{p['transformers_dtype']}, batch {p['transformers_batch']}", f"{row['value']:.1f}",
+             f"{row['baseline']:.1f}", x(row["ratio"]), p["answers_equal"]]]
+    return markdown(["target", "CPU", "threads", "prompts", "transformers generate", "its new tokens/s",
+                     "native, 8 sequences per forward", "ratio", "answers equal"], body)
+
+
 CACHE_DUMP = Source("feature_cache_cpu.jsonl", "feature_cache_dump")
 
 
@@ -616,6 +628,8 @@ TABLES: tuple[Table, ...] = (
           native_target_table(NATIVE_GEMMA3, ("Q4_K_M",))),
     Table("regenerate-engines", "docs/native-target.md", "regenerate_engines_cpu.jsonl: regenerate_greedy, "
           "new_tokens_per_s/native of each target at 1 thread", regenerate_engines),
+    Table("regenerate-transformers", "docs/native-target.md", "regenerate_engines_cpu.jsonl: regenerate_greedy, "
+          "new_tokens_per_s/transformers of SmolLM2 at 2 threads", regenerate_transformers),
     Table("ceiling-smollm2", "docs/real-models.md", "draft_ceiling_cpu.jsonl: draft_ceiling, tau_k4_held_in of the "
           "48-conversation EAGLE3-default draft under each evaluation rule", ceiling),
     Table("serve-check", PERF, "serve_check_cpu.jsonl: elsi_fast_serve, mean_acceptance_length and decode_tokens_per_s",

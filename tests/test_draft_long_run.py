@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.draft_long_run import HELD, continued_from, held_out_openings, held_sets, opening_batch_ids
+from bench.draft_long_run import HELD, continued_from, held_out_openings, held_sets, opening_batch_ids, repeated
 from elsi_fast.training.train import SUMMARY_FILE
 
 
@@ -55,3 +55,12 @@ def test_opening_conversations_are_held_out_once_there_are_twice_as_many(tmp_pat
     records += [{"id": f"si-0-10-{j}"} for j in range(50)]
     held_sets(records, tmp_path, 0, opening + ["si-0-9-399"] + [f"si-0-10-{j}" for j in range(50)])
     assert held_out_openings(records, tmp_path) == held
+
+
+def test_repeated_categories_are_appended_in_order():
+    train = [{"id": str(i), "category": "a" if i % 3 else "b"} for i in range(9)]
+    out = repeated(train, {"b": 3})
+    assert out[:9] == train  # the unrepeated list is a prefix (its feature cache grows from it)
+    assert [r["id"] for r in out[9:]] == ["0", "3", "6", "0", "3", "6"]
+    with pytest.raises(ValueError, match="'c'"):
+        repeated(train, {"c": 2})

@@ -1,7 +1,7 @@
 """Which engine writes training data fastest here: `elsi_fast.training.regenerate` with llama.cpp's
 `llama-server` (--slots parallel slots), elsi-fast's native forward (`--engine native`: up to 8
-sequences batched per forward) and, where asked, transformers (`generate`, batch 48, the dequantized
-fp32 model), on the same training instructions, greedy, <= 128 new tokens, --threads threads,
+sequences batched per forward) and, where asked, transformers (`generate`, --transformers-batch
+sequences, the model dequantized to --transformers-dtype; bf16 runs on AMX or AVX512-BF16 units), on the same training instructions, greedy, <= 128 new tokens, --threads threads,
 after an untimed warm-up of each, interleaved round by round, medians. The GGUF engines run the
 package's file (SmolLM2: Q4_1; Gemma 3: Q4_K_M). A new tokens/s counts answer tokens only, the
 prompts' own forwards included in the time. Reports new tokens/s against the --baseline engine and how many answers equal
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (native: 8 sequences)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--transformers-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--transformers-batch", type=int, default=48)
     p.add_argument("--note", default="", help="conditions to record (e.g. another job paused)")
     args = p.parse_args(argv)
     if args.baseline not in args.engines:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     gguf = catalog.resolve(args.model)
-    model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
+    model, tokenizer = load_model(args.model, device="cpu", dtype=args.transformers_dtype)
     pool = load_prompts(str(shared_data("prompts", "train_instructions.jsonl")))
     # A spread over the categories, other prompts each round (and for the warm-up): llama-server
     # keeps each slot's last prompt, and a prompt it saw before would skip its prefill.
@@ -78,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         servers["llama.cpp"] = server
         for engine in args.engines:  # untimed: the first requests page the file in and warm the server up
             folder = Path(tempfile.mkdtemp(prefix="regen-"))
-            regenerate(model, tokenizer, pool[: args.prompts], folder, max_new_tokens=16, batch_size=48,
+            regenerate(model, tokenizer, pool[: args.prompts], folder, max_new_tokens=16, batch_size=args.transformers_batch,
                        progress=False, engine=engine, server=servers[engine])
             shutil.rmtree(folder)
         for r in range(args.rounds):
             for engine in args.engines if r % 2 == 0 else args.engines[::-1]:
                 folder = Path(tempfile.mkdtemp(prefix="regen-"))
-                summary = regenerate(model, tokenizer, rounds[r], folder, max_new_tokens=128, batch_size=48,
+                summary = regenerate(model, tokenizer, rounds[r], folder, max_new_tokens=128, batch_size=args.transformers_batch,
                                      progress=False, engine=engine, server=servers[engine])
                 rates[engine].append(summary["new_tokens_per_s"])
                 answers.setdefault(engine, {}).update(
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                device=device_name("cpu", args.threads), baseline=base, ratio=ours / base,
                params={"model": args.model, "file": Path(gguf).name, "baseline_engine": args.baseline,
                        "prompts": prompts, "prompts_per_round": args.prompts, "slots": args.slots, "native_sequences": 8,
-                       "transformers_batch": 48, "max_new_tokens": 128, "threads": args.threads, "runs": rates,
+                       "transformers_batch": args.transformers_batch,
+                       "transformers_dtype": args.transformers_dtype, "max_new_tokens": 128, "threads": args.threads, "runs": rates,
                        "answers_equal": f"{equal}/{prompts}", "llama_cpp": f"llama-cpp-python {VERSION} sdist",
                        "loadavg": list(os.getloadavg()), "note": args.note})
         print(f"{engine} {ours:.1f} vs {args.baseline} {base:.1f} new tokens/s ({ours / base:.2f}x); "
