@@ -1,12 +1,13 @@
 """Which engine writes training data fastest here: `elsi_fast.training.regenerate` with llama.cpp's
 `llama-server` (--slots parallel slots), elsi-fast's native forward (`--engine native`: up to 8
 sequences batched per forward) and, where asked, transformers (`generate`, --transformers-batch
-sequences, the model dequantized to --transformers-dtype; bf16 runs on AMX or AVX512-BF16 units), on the same training instructions, greedy, <= 128 new tokens, --threads threads,
-after an untimed warm-up of each, interleaved round by round, medians. The GGUF engines run the
-package's file (SmolLM2: Q4_1; Gemma 3: Q4_K_M). A new tokens/s counts answer tokens only, the
-prompts' own forwards included in the time. Reports new tokens/s against the --baseline engine and how many answers equal
-its answers token for token (each engine quantizes its activations its own way, so some differ).
-Rows: bench/results/regenerate_engines_cpu.jsonl, next to vllm_regenerate.py's.
+sequences, the model dequantized to --transformers-dtype; bf16 runs on AMX or AVX512-BF16 units),
+on the same training instructions, greedy, <= 128 new tokens, --threads threads, after an untimed
+warm-up of each, interleaved round by round, medians. The GGUF engines run the package's file
+(SmolLM2: Q4_1; Gemma 3: Q4_K_M). A new tokens/s counts answer tokens only, the prompts' own
+forwards included in the time. Reports new tokens/s against the --baseline engine and how many
+answers equal its answers token for token (each engine quantizes its activations its own way, so
+some differ). Rows: bench/results/regenerate_engines_cpu.jsonl, next to vllm_regenerate.py's.
 
     .venv/bin/python -m bench.integration.llamacpp_regenerate --prompts 48 --threads 1
 """
