@@ -140,7 +140,10 @@ KERNELS = Source("llamacpp_kernels_cpu.jsonl", "llamacpp_kernels")
 VERIFY = Source("target_runtime_cpu.jsonl", "target_verify_forward", {"tokens": 5, "threads": 1, "busy_neighbours": 0})
 LLAMACPP = Source("llamacpp_integration_cpu.jsonl", "llamacpp_spec_decoding")
 # The native GGUF forward against llama.cpp on the same file, quiet cores (2026-12-05).
-NATIVE = Source("native_target_cpu.jsonl", "native_target_decode", {"rounds": 5, "tokens": 128})
+# Rows whose llama.cpp baseline was built without AMX (2026-12-07; bench/integration/README.md) are
+# left out: that build decodes 2.1-2.7x slower than the AMX build the other rows on that CPU compare with.
+_AMX_BASELINE = {"note": lambda note: "llama.cpp without AMX" not in (note or "")}
+NATIVE = Source("native_target_cpu.jsonl", "native_target_decode", {"rounds": 5, "tokens": 128, **_AMX_BASELINE})
 
 
 def headline(results: Results) -> list[str]:
@@ -338,6 +341,8 @@ def serve_check(results: Results) -> list[str]:
 
 LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
 LONG_RUN_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
+# The kept SmolLM2 ELSI m=1 draft's third pass on all the data (bench/results/drafts/.../elsi-m1-11, 2026-12-07)
+THIRD_PASS = "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024+1200-lr0.001-answers-t1024"
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -459,7 +464,8 @@ def native_target_table(source: Source, kinds: tuple[str, ...]) -> Callable[[Res
     return render
 
 
-NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode", {"model": "gemma3-270m", "tokens": 128})
+NATIVE_GEMMA3 = Source("native_target_cpu.jsonl", "native_target_decode",
+                       {"model": "gemma3-270m", "tokens": 128, **_AMX_BASELINE})
 
 
 REGENERATE = Source("regenerate_engines_cpu.jsonl", "regenerate_greedy")
@@ -574,10 +580,11 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps480+400+400+500+300-v12288-c9506")),
     Table("long-run-smollm2-all-data", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuations on all the data, labels from the answers "
-          "(the second with the long documents, at 1,024 tokens; the third at peak lr 1e-3)",
+          "(the second with the long documents, at 1,024 tokens; the third at peak lr 1e-3; the fourth with the task "
+          "prompts)",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers",
                          "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024",
-                         "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024+1200-lr0.001-answers-t1024",
+                         THIRD_PASS, THIRD_PASS + "+1200-lr0.001-answers-t1024-rtask-translation3-rtask-summarization3",
                          after=1780,
                          sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
@@ -609,6 +616,13 @@ TABLES: tuple[Table, ...] = (
               "+1200 steps on all the data with the documents (1,024 tokens)":
                   "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024"},
               ("summarization", "rag", "extraction", "qa", "translation", "writing"))),
+    Table("long-run-smollm2-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
+          "(pooled and Spec-Bench per category) of the kept SmolLM2 draft's third pass and its fourth with the task "
+          "prompts of bench/task_sources.py drawn 3x as often", long_run_categories("smollm2-135m-instruct", {
+              "third pass (peak lr 1e-3), kept": THIRD_PASS,
+              "+1200 steps with the translation and summarization task prompts, 3x": THIRD_PASS +
+                  "+1200-lr0.001-answers-t1024-rtask-translation3-rtask-summarization3"},
+              ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
           "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
     Table("long-run-gemma3-elsi-m1", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "

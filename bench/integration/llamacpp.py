@@ -70,11 +70,24 @@ def isa_flags() -> list[str]:
     return sorted(f for f in line.split(":", 1)[1].split() if _ISA_FLAG.match(f))
 
 
+def cmake_args() -> list[str]:
+    """CMAKE_ARGS for this CPU. Where it has AMX tiles, -march=native compiles ggml's AMX code paths,
+    and in a VM (Intel Xeon, family 6 model 207, 2026-12-07) every binary then died with SIGILL on a
+    prompt of 8 tokens or more (batched products), while one-token decoding ran: the tile state
+    must be granted by the host and the kernel. The AMX instructions are left out; AVX-512 stays."""
+    args = list(CMAKE_ARGS)
+    if any(f.startswith("amx") for f in isa_flags()):
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        args += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    return args
+
+
 def build_dir() -> Path:
-    """`<cache>/<version>-<widest ISA>-<hash of the ISA flags>/`: one build per CPU type."""
+    """`<cache>/<version>-<widest ISA>-<hash of the ISA flags and cmake arguments>/`: one build per
+    CPU type and configuration."""
     flags = isa_flags()
     widest = "avx512" if any(f.startswith("avx512") for f in flags) else "avx2" if "avx2" in flags else "base"
-    digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(" ".join(flags + cmake_args()).encode()).hexdigest()[:10]
     return CACHE / f"{VERSION}-{widest}-{digest}"
 
 
@@ -178,7 +191,7 @@ def build(jobs: int = 2, copy_from: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "build.log"
     steps = (
-        ("cmake configure", ["cmake", "-S", str(src), "-B", str(out / "build"), "-G", "Ninja", *CMAKE_ARGS]),
+        ("cmake configure", ["cmake", "-S", str(src), "-B", str(out / "build"), "-G", "Ninja", *cmake_args()]),
         ("cmake build", ["cmake", "--build", str(out / "build"), "-j", str(jobs), "--target", *TARGETS]),
     )
     start = time.monotonic()
@@ -190,7 +203,7 @@ def build(jobs: int = 2, copy_from: Path | None = None) -> Path:
             if rc != 0:
                 raise RuntimeError(f"llama.cpp {step} failed (exit {rc}); log: {log_path}")
     marker.write_text(json.dumps({
-        "version": VERSION, "isa_flags": isa_flags(), "targets": list(TARGETS), "cmake_args": list(CMAKE_ARGS),
+        "version": VERSION, "isa_flags": isa_flags(), "targets": list(TARGETS), "cmake_args": cmake_args(),
         "build_seconds": round(time.monotonic() - start, 1), "log": str(log_path),
     }, indent=1) + "\n")
     return out / "build" / "bin"
