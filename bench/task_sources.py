@@ -58,8 +58,10 @@ def source_text(raw: str, kind: str) -> str | None:
         if not text.endswith((".", "!", "?")):
             return None
     else:
-        end = max(text.rfind(". "), text.rfind(".\n"), text.rfind("!"), text.rfind("?"), text.rfind('."'))
-        text = text[: end + 1].strip() if end > 0 else ""
+        # the end of the last sentence: its mark, and a closing quote after it
+        end = max(text.rfind(". ") + 1, text.rfind(".\n") + 1, text.rfind("!") + 1, text.rfind("?") + 1,
+                  text.rfind('."') + 2)
+        text = text[:end].strip() if end > 1 else ""
     words = text.split()
     letters = sum(c.isalpha() for c in text)
     if not low <= len(words) <= high or letters < 0.7 * len(text.replace(" ", "")):

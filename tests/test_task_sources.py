@@ -22,3 +22,9 @@ def test_a_news_story_is_cut_at_its_last_sentence_end():
     text = source_text(body + " And then the meeting was", "summarization")
     assert text == body
     assert source_text("Only a few words. Then", "summarization") is None  # under 150 words
+
+
+def test_a_news_story_ending_in_a_quotation_keeps_its_closing_quote():
+    body = " ".join(f"Sentence number {i} tells the reader one more fact about the town council." for i in range(20))
+    quoted = body + ' The mayor said: "We will build it."'
+    assert source_text(quoted + " Then the", "summarization") == quoted
