@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import cpu_model, record
-from bench.integration.llamacpp import VERSION, binary
+from bench.integration.llamacpp import VERSION, binary, llamacpp_amx
 from elsi_fast._infra.cache import cache_root
 from elsi_fast.targets import catalog
 from elsi_fast.targets.gguf_requantize import requantize_gguf
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         params = {"model": args.model, "file": files[kind].name, "type": kind, "threads": threads,
                   "tokens": args.tokens,
                   "rounds": args.rounds, "samples": s, "loadavg": load, "baseline": baseline_name,
-                  "note": args.note}
+                  "llamacpp_amx": llamacpp_amx(), "note": args.note}
         record(RESULTS_FILE, BENCHMARK, f"greedy_tokens_per_s/{kind}/threads={threads}", ours, "tokens/s",
                device=device, baseline=theirs, ratio=ours / theirs, params=params)
         record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,

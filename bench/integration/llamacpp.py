@@ -76,10 +76,17 @@ def cmake_args() -> list[str]:
     prompt of 8 tokens or more (batched products), while one-token decoding ran: the tile state
     must be granted by the host and the kernel. The AMX instructions are left out; AVX-512 stays."""
     args = list(CMAKE_ARGS)
-    if any(f.startswith("amx") for f in isa_flags()):
+    if llamacpp_amx() is False:
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         args += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     return args
+
+
+def llamacpp_amx() -> bool | None:
+    """Whether the build keeps ggml's AMX code: None on a CPU without AMX, False where it has it
+    (`cmake_args` leaves it out). Recorded with the benchmarks that use llama.cpp as their baseline:
+    without AMX its decoding runs at half the rate (bench/integration/README.md)."""
+    return False if any(f.startswith("amx") for f in isa_flags()) else None
 
 
 def build_dir() -> Path:

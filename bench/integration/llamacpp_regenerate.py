@@ -81,14 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         servers["llama.cpp"] = server
         for engine in args.engines:  # untimed: the first requests page the file in and warm the server up
             folder = Path(tempfile.mkdtemp(prefix="regen-"))
-            regenerate(model, tokenizer, pool[: args.prompts], folder, max_new_tokens=16, batch_size=args.transformers_batch,
-                       progress=False, engine=engine, server=servers[engine])
+            regenerate(model, tokenizer, pool[: args.prompts], folder, max_new_tokens=16,
+                       batch_size=args.transformers_batch, progress=False, engine=engine, server=servers[engine])
             shutil.rmtree(folder)
         for r in range(args.rounds):
             for engine in args.engines if r % 2 == 0 else args.engines[::-1]:
                 folder = Path(tempfile.mkdtemp(prefix="regen-"))
-                summary = regenerate(model, tokenizer, rounds[r], folder, max_new_tokens=128, batch_size=args.transformers_batch,
-                                     progress=False, engine=engine, server=servers[engine])
+                summary = regenerate(model, tokenizer, rounds[r], folder, max_new_tokens=128,
+                                     batch_size=args.transformers_batch, progress=False, engine=engine,
+                                     server=servers[engine])
                 rates[engine].append(summary["new_tokens_per_s"])
                 answers.setdefault(engine, {}).update(
                     {x["id"]: x["response_ids"] for x in read_conversations(folder / CONVERSATIONS_FILE)})
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                device=device_name("cpu", args.threads), baseline=base, ratio=ours / base,
                params={"model": args.model, "file": Path(gguf).name, "baseline_engine": args.baseline,
                        "prompts": prompts, "prompts_per_round": args.prompts, "slots": args.slots, "native_sequences": 8,
-                       "transformers_batch": args.transformers_batch,
-                       "transformers_dtype": args.transformers_dtype, "max_new_tokens": 128, "threads": args.threads, "runs": rates,
+                       "transformers_batch": args.transformers_batch, "transformers_dtype": args.transformers_dtype,
+                       "max_new_tokens": 128, "threads": args.threads, "runs": rates,
                        "answers_equal": f"{equal}/{prompts}", "llama_cpp": f"llama-cpp-python {VERSION} sdist",
                        "loadavg": list(os.getloadavg()), "note": args.note})
         print(f"{engine} {ours:.1f} vs {args.baseline} {base:.1f} new tokens/s ({ours / base:.2f}x); "
