@@ -13,6 +13,9 @@ the ceiling the vocabulary alone sets, pooled as `decoding.evaluation.pooled_tau
 (tokens per verification round, the prefill's token not counted, rounds of min(k, left - 1)).
   -> bench/results/draft_vocab_ceiling_cpu.jsonl: spec_bench_coverage/V=<V>,
      spec_bench_ceiling_tau_k<k>/V=<V> (per category in params)
+`--drafts DIR ...` measures kept drafts' own vocabularies instead (a continued draft's grows from its
+parent's, `train.grown_draft_vocab_ids`, so it is not the top V of today's data):
+  -> spec_bench_coverage/draft, spec_bench_ceiling_tau_k<k>/draft (params.draft: the folder)
 Needs the data folder and the long run's Spec-Bench continuations (runs/long-run/<model>/spec-bench,
 written by `bench.draft_long_run`).
 """
@@ -46,12 +49,15 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--data", default=str(ROOT / "runs" / "data-smollm2"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--drafts", nargs="+", default=[], metavar="DIR",
+                        help="kept draft folders whose own vocabularies to measure (instead of --sizes)")
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args()
 
     import torch
 
     from bench.draft_long_run import KEEP, held_sets
+    from elsi_fast.draft.formats import read_draft
     from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations
     from elsi_fast.training.train import draft_vocab_ids
 
@@ -59,8 +65,22 @@ def main() -> None:
     answers = torch.tensor([t for r in train for t in r["response_ids"]])
     vocab_size = int(answers.max()) + 1
     spec_bench = read_conversations(ROOT / "runs" / "long-run" / args.model / "spec-bench" / CONVERSATIONS_FILE)
-    for size in args.sizes:
-        vocabulary = set(draft_vocab_ids(answers, max(vocab_size, size), size).tolist())
+    vocabularies = {}  # metric suffix -> (vocabulary, params)
+    for folder in args.drafts:
+        try:
+            draft = read_draft(folder)
+        except (OSError, ValueError, KeyError) as error:
+            raise SystemExit(f"--drafts: {folder} is not a readable draft folder ({error})") from None
+        size = draft.config.draft_vocab_size
+        # A kept folder is overwritten when its draft is continued: its steps tell the rows apart.
+        facts = Path(folder) / "training.json"
+        steps = json.loads(facts.read_text()).get("steps") if facts.is_file() else None
+        vocabularies[f"draft={folder}"] = (set(draft.draft_to_target(torch.arange(size)).tolist()),
+                                           {"draft": folder, "draft_steps": steps, "draft_vocab_size": size})
+    for size in [] if args.drafts else args.sizes:
+        vocabularies[f"V={size}"] = (set(draft_vocab_ids(answers, max(vocab_size, size), size).tolist()),
+                                     {"draft_vocab_size": size})
+    for name, (vocabulary, chosen) in vocabularies.items():
         train_coverage = sum(t in vocabulary for t in answers.tolist()) / len(answers)
         inside, total, emitted, rounds = {}, {}, {}, {}
         for r in spec_bench:
@@ -72,13 +92,14 @@ def main() -> None:
                 emitted[key], rounds[key] = emitted.get(key, 0) + e, rounds.get(key, 0) + n
         coverage = {key: inside[key] / total[key] for key in total}
         tau = {key: emitted[key] / rounds[key] for key in rounds}
-        print(f"V={size}: training answers {train_coverage:.3f}, Spec-Bench {coverage['all']:.3f} "
+        print(f"{name}: training answers {train_coverage:.3f}, Spec-Bench {coverage['all']:.3f} "
               f"(translation {coverage.get('translation', float('nan')):.3f}), ceiling tau(k={args.k}) {tau['all']:.3f}")
-        params = {"model": args.model, "draft_vocab_size": size, "k": args.k, "conversations": len(train),
+        metric = "draft" if "draft" in chosen else name
+        params = {"model": args.model, **chosen, "k": args.k, "conversations": len(train),
                   "answer_tokens": len(answers), "train_coverage": train_coverage, "spec_bench_prompts": len(spec_bench)}
-        record(RESULTS, "draft_vocab_ceiling", f"spec_bench_coverage/V={size}", coverage["all"], "fraction",
+        record(RESULTS, "draft_vocab_ceiling", f"spec_bench_coverage/{metric}", coverage["all"], "fraction",
                device=device_name("cpu"), params={**params, "per_category": coverage})
-        record(RESULTS, "draft_vocab_ceiling", f"spec_bench_ceiling_tau_k{args.k}/V={size}", tau["all"],
+        record(RESULTS, "draft_vocab_ceiling", f"spec_bench_ceiling_tau_k{args.k}/{metric}", tau["all"],
                "tokens/forward", device=device_name("cpu"), params={**params, "per_category": tau})
 
 

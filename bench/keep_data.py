@@ -17,7 +17,8 @@ user's corpora (here the shared folder's): `restore` builds the same prompts fro
 stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
 instructions: its folder answers prompt files given to `--prompts` (several, in order), and
 `restore` takes the same files. Prompt files made for a target (`bench/task_sources.py`) are
-kept beside its data, under `task_prompts/`, and given to `--prompts` in the same order. `restore`
+kept beside its data, under `task_prompts/`, and given to `--prompts` in the same order (Gemma 3
+answers SmolLM2's task prompts too: its restore names SmolLM2's files, bench/results/README.md). `restore`
 unpacks them into the folder, and the same `elsi-fast regenerate` command then continues sampling
 and answering where the kept run stopped. Plain JSON only: no file here can execute code when read.
 """

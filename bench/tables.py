@@ -249,6 +249,7 @@ VLLM_REAL = Source("vllm_real_cpu.jsonl", "vllm_real_serving")
 CELLS = "runs/draft-experiment/smollm2-135m-instruct/cells/"
 ELSI_SEED0, EAGLE3_SEED0, EAGLE3_SEED2 = (CELLS + c for c in ("elsi-m1-seed0-claims", "eagle3-m3-seed0-claims", "eagle3-m3-seed2-claims"))
 KEPT_SMOLLM2 = "bench/results/drafts/smollm2-135m-instruct/elsi-m1-11"
+KEPT_GEMMA = "bench/results/drafts/gemma3-270m/elsi-m1-12"
 SERVE = Source("serve_check_cpu.jsonl", "elsi_fast_serve")
 
 
@@ -343,6 +344,9 @@ LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
 LONG_RUN_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
 # The kept SmolLM2 ELSI m=1 draft's third pass on all the data (bench/results/drafts/.../elsi-m1-11, 2026-12-07)
 THIRD_PASS = "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024+1200-lr0.001-answers-t1024"
+# The kept Gemma 3 ELSI m=1 draft's second pass on all the data (bench/results/drafts/gemma3-270m/elsi-m1-12, 2026-12-06)
+GEMMA_SECOND_PASS = "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers"
+GEMMA_TASK_PASS = GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-rtask-translation3-rtask-summarization3"
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -550,10 +554,174 @@ def vocab_ceiling(results: Results) -> list[str]:
     return markdown(["V", *(f"SmolLM2: {c}" for c in per_model), *(f"Gemma 3: {c}" for c in per_model)], body)
 
 
+def kept_vocab(drafts: Mapping[str, tuple[str, str, int]]) -> Callable[[Results], list[str]]:
+    """Reads spec_bench_coverage/draft and spec_bench_ceiling_tau_k4/draft (`draft_vocab_ceiling
+    --drafts`) of kept drafts, label: (model, folder, the draft's steps, which tell apart the
+    drafts a folder held)."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for label, (model, folder, steps) in drafts.items():
+            where = {"model": model, "draft": folder, "draft_steps": steps}
+            cover = VOCAB_CEILING.pick(results, "spec_bench_coverage/draft", **where)
+            tau = VOCAB_CEILING.pick(results, "spec_bench_ceiling_tau_k4/draft", **where)
+            p = cover["params"]
+            body.append([label, str(p["draft_vocab_size"]), f"{p['train_coverage']:.3f}", f"{cover['value']:.3f}",
+                         *(f"{p['per_category'][c]:.3f}" for c in ("translation", "summarization")),
+                         f"{tau['value']:.2f}"])
+        return markdown(["draft", "V", "training answers", "Spec-Bench", "translation", "summarization",
+                         "ceiling tau (k=4)"], body)
+
+    return render
+
+
+# bench/results/README.md's index of the files: what writes each and whether its rows are current; the
+# dates, machines and row counts come from the files themselves (a file missing here is an error).
+RESULT_FILES: dict[str, tuple[str, str]] = {
+    "analysis_cpu.jsonl": (
+        ("`bench/bench_analysis.py` (`python -m bench.bench_analysis [--device cuda] [--part overhead "
+         "memory threshold]`)"),
+        "current"),
+    "busy_neighbour_cpu.jsonl": (
+        ("`bench/bench_busy_neighbour.py` (`python -m bench.bench_busy_neighbour [--reps 200] [--shape"
+         " smollm2\\|llama8b]`)"),
+        "current"),
+    "draft_ceiling_cpu.jsonl": (
+        ("`bench/draft_ceiling.py` (`python -m bench.draft_ceiling [--set eagle3-m3] [--steps 600] "
+         "[--threads 1]`)"),
+        ("current: held-in tau at k = 4 of a draft that memorized 48 conversations, under the old and "
+         "the fixed `eval-draft` rules (`params.stop_ids`, `params.max_prompt_tokens`); the last row "
+         "(4.418) is the verdict")),
+    "draft_decode_cpu.jsonl": (
+        ("`bench/bench_draft_decode.py` (`python -m bench.bench_draft_decode [--device cuda] [--quick]"
+         " [--accuracy]`)"),
+        "current"),
+    "draft_experiment_cpu.jsonl": (
+        ("`bench/draft_experiment.py` (`python -m bench.draft_experiment [--model "
+         "smollm2-135m-instruct] [--stages data calibrate cache recipe claims]`)"),
+        "current"),
+    "draft_long_run_cpu.jsonl": (
+        ("`bench/draft_long_run.py` (`python -m bench.draft_long_run [--model M --data D] --set S "
+         "--steps N [--init-from DIR]`)"),
+        ("current: tau at k = 1..5 of every replayed step on the held-in, held-out (full and first 128"
+         " tokens), Spec-Bench and held-out-openings sets, per Spec-Bench category")),
+    "draft_memory.jsonl": (
+        "`bench/bench_draft_memory.py` (`python -m bench.bench_draft_memory`)",
+        "current"),
+    "draft_vocab_ceiling_cpu.jsonl": (
+        ("`bench/draft_vocab_ceiling.py` (`python -m bench.draft_vocab_ceiling --model M --data D "
+         "[--sizes V ...] [--drafts DIR ...]`)"),
+        ("current: the share of Spec-Bench tokens a draft vocabulary holds and the tau it allows, for "
+         "the top V tokens of the training answers and for the kept drafts' own vocabularies")),
+    "e2e_cpu.jsonl": (
+        ("`bench/e2e/run_e2e.py` (stage `aggregate`; `all` runs every stage) and "
+         "`bench/e2e/time_demo.py` (`python -m bench.e2e.time_demo [--threads N]`, benchmark "
+         "`demo_time`)"),
+        "current"),
+    "feature_cache_cpu.jsonl": (
+        ("`bench/bench_feature_cache.py` (`python -m bench.bench_feature_cache [--model "
+         "smollm2-135m-instruct] [--conversations 64] [--steps 8]`)"),
+        "current"),
+    "llamacpp_integration_cpu.jsonl": (
+        ("`bench/integration/llamacpp.py` (`python -m bench.integration.llamacpp measure --drafts D "
+         "...`; also `check`, `verify-cost`; needs `build` first)"),
+        "current"),
+    "llamacpp_kernels_cpu.jsonl": (
+        ("`bench/integration/llamacpp_kernels.py` (`python -m bench.integration.llamacpp_kernels "
+         "[--smoke]`; needs the llama.cpp build)"),
+        "current"),
+    "load_cpu.jsonl": (
+        ("`bench/bench_load.py` (`flock /tmp/elsi-bench.lock python -m bench.bench_load [--hogs 10] "
+         "[--skip-demo] [--modes ...]`)"),
+        "current"),
+    "main_job_cpu.jsonl": (
+        "`bench/bench_main_job.py` (`python -m bench.bench_main_job`)",
+        "current: the README's main job, wall seconds against the 5-minute goal"),
+    "memory_cpu.jsonl": (
+        ("`bench/integration/memory.py` (`python -m bench.integration.memory --drafts ...`; needs the "
+         "vLLM environment of `vllm_serve.py`)"),
+        "current"),
+    "metrics_cpu.jsonl": (
+        ("`bench/run_metrics.py` (`flock /tmp/elsi-bench.lock python -m bench.run_metrics [--only cka "
+         "entropy]`); `bench/bench_metrics.py` (`python -m pytest bench/bench_metrics.py "
+         "--benchmark-group-by=group`) writes the same file"),
+        "current"),
+    "native_target_cpu.jsonl": (
+        ("`bench/bench_native_target.py` (`python -m bench.bench_native_target --rounds 5 --tokens "
+         "128`; needs the llama.cpp build)"),
+        ("current: the native GGUF forward's greedy tokens/s against llama.cpp's `llama-bench` tg on "
+         "the same file (SmolLM2 Q4_1 and Q8_0, Gemma 3 Q4_K_M; 1 and 2 threads), its verify cost, and"
+         " decoding with the kept m=1 drafts (`params.llamacpp_amx: false`: llama.cpp built without "
+         "AMX, left out of the tables)")),
+    "real_models_cpu.jsonl": (
+        ("`bench/real_models.py` (`python -m bench.real_models [--models smollm2-135m-instruct "
+         "gemma3-270m] [--stages analyze sweep]`)"),
+        "current"),
+    "regenerate_engines_cpu.jsonl": (
+        ("`bench/integration/llamacpp_regenerate.py` (`python -m bench.integration.llamacpp_regenerate"
+         " --prompts 48`) and `bench/integration/vllm_regenerate.py` (`python -m "
+         "bench.integration.vllm_regenerate --prompts 96 --threads 2`)"),
+        "current"),
+    "selection_cpu.jsonl": (
+        ("`bench/bench_selection.py` (`python -m bench.bench_selection synthetic\\|e2e --layers 33 "
+         "--prompts 480 --m 1 2 3 [--today]`)"),
+        "current"),
+    "serve_check_cpu.jsonl": (
+        ("`bench/integration/serve_check.py` (`python -m bench.integration.serve_check --engine "
+         "llama.cpp\\|vllm --k 3 --draft ...`)"),
+        "current"),
+    "spec_e2e_cpu.jsonl": (
+        ("`bench/bench_spec_e2e.py` (`python -m bench.bench_spec_e2e --draft "
+         "runs/draft-experiment/<model>/cells/<cell> ...`)"),
+        "current"),
+    "target_runtime_cpu.jsonl": (
+        ("`bench/bench_target_runtime.py` (`python -m bench.bench_target_runtime [--reps 7] [--busy 1]"
+         " [--compile]`)"),
+        "current"),
+    "team_handover_cpu.jsonl": (
+        ("`bench/bench_team_handover.py` (`python -m bench.bench_team_handover [--steps 150] [--rounds"
+         " 3]`)"),
+        ("current: a native target forward then a native draft step back to back, with a 1- or "
+         "2-thread draft step on the one thread pool (before: the draft step's OpenMP team)")),
+    "train_cpu.jsonl": (
+        ("`bench/bench_train.py` (`python -m bench.bench_train [--conversations 96] [--steps 12] "
+         "[--reps 2] [--baseline 5ac09af]`)"),
+        "current"),
+    "vllm_integration_cpu.jsonl": (
+        ("`bench/integration/vllm_serve.py` (`python -m bench.integration.vllm_serve all`, or the "
+         "stages `env`, `prepare`, `measure`)"),
+        "current"),
+    "vllm_real_cpu.jsonl": (
+        ("`bench/integration/vllm_real.py` (`python -m bench.integration.vllm_real --max-new-tokens "
+         "128 ...`)"),
+        "current"),
+}
+
+
+def results_index(results: Results) -> list[str]:
+    """Each results file: what writes it (RESULT_FILES), its dates, machines and rows, and its status."""
+    files = sorted(path.name for path in results.directory.glob("*.jsonl"))
+    unknown = sorted(set(files) - set(RESULT_FILES))
+    if unknown:
+        raise LookupError(f"bench/results/{unknown[0]} is not in tables.RESULT_FILES: say what writes it")
+    body = []
+    for name in files:
+        rows = results.rows(name)
+        results.used.append(rows[0])  # the footnote names the file; each line gives its own runs
+        dates = sorted({row["date"] for row in rows})
+        machines = "; ".join(sorted({machine(row["device"]) for row in rows}))
+        written_by, status = RESULT_FILES[name]
+        body.append([f"`{name}`", written_by, dates[0] if len(dates) == 1 else f"{dates[0]}..{dates[-1]}",
+                     machines, str(len(rows)), status])
+    return markdown(["File", "Written by (command)", "Dates", "Machines", "Rows", "Status"], body)
+
+
 PERF = "docs/performance.md"
 GGML = "llamacpp_kernels_cpu.jsonl: llamacpp_kernels, elsi_{fp32,bf16,int8}_vs_ggml_*"
 TABLES: tuple[Table, ...] = (
     Table("headline", "README.md", "one row of each of seven files; see headline()", headline, runs_per_line=True),
+    Table("results-index", "bench/results/README.md", "every file's dates, machines and row count", results_index,
+          runs_per_line=True),
     Table("ggml-avx2", PERF, f"{GGML}, commit 4db98a6", ggml_table(KERNELS_AVX2, ("smollm2", "llama3.1-8b"))),
     Table("ggml-avx512", PERF, f"{GGML}, commits 45aef37 / a6dcc63", ggml_table(KERNELS_AVX512, ("smollm2", "llama3.1-8b"))),
     Table("ggml-barrier", PERF, f"{GGML}, commit 1c4094a", ggml_table(KERNELS_BARRIER, ("smollm2",))),
@@ -630,10 +798,22 @@ TABLES: tuple[Table, ...] = (
           "from the answers)",
           long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                          "elsi-m1-seed0-steps500+300+300-v8192",
-                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers",
-                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers")),
+                         "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers", GEMMA_SECOND_PASS,
+                         GEMMA_TASK_PASS)),
+    Table("long-run-gemma3-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
+          "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
+          "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
+          long_run_categories("gemma3-270m", {
+              "second pass, kept": GEMMA_SECOND_PASS,
+              "+1200 steps with the task prompts, 3x, vocabulary 11,264": GEMMA_TASK_PASS},
+              ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
+    Table("draft-vocab-kept", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
+          "spec_bench_coverage/draft and spec_bench_ceiling_tau_k4/draft of the kept drafts' own vocabularies",
+          kept_vocab({"Gemma 3 ELSI m=1, second pass": ("gemma3-270m", KEPT_GEMMA, 3500),
+                      "Gemma 3 ELSI m=1, third pass with the task prompts": ("gemma3-270m", KEPT_GEMMA, 4700),
+                      "SmolLM2 ELSI m=1, fourth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 6580)})),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count",
           native_target_table(NATIVE, ("Q4_1", "Q8_0"))),
