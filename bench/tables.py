@@ -344,9 +344,12 @@ LONG_RUN = Source("draft_long_run_cpu.jsonl", "draft_long_run")
 LONG_RUN_SETS = ("held-in", "held-out", "held-out-128", "spec-bench")
 # The kept SmolLM2 ELSI m=1 draft's third pass on all the data (bench/results/drafts/.../elsi-m1-11, 2026-12-07)
 THIRD_PASS = "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024+1200-lr0.001-answers-t1024"
+TASKS_3X = "-rtask-translation3-rtask-summarization3"
+FOURTH_PASS = THIRD_PASS + "+1200-lr0.001-answers-t1024" + TASKS_3X
+FIFTH_PASS = FOURTH_PASS + "+800-lr0.001-v16384-answers-t1024" + TASKS_3X
 # The kept Gemma 3 ELSI m=1 draft's second pass on all the data (bench/results/drafts/gemma3-270m/elsi-m1-12, 2026-12-06)
 GEMMA_SECOND_PASS = "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers"
-GEMMA_TASK_PASS = GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-rtask-translation3-rtask-summarization3"
+GEMMA_TASK_PASS = GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024" + TASKS_3X
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -749,11 +752,10 @@ TABLES: tuple[Table, ...] = (
     Table("long-run-smollm2-all-data", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the kept SmolLM2 ELSI m=1 draft's continuations on all the data, labels from the answers "
           "(the second with the long documents, at 1,024 tokens; the third at peak lr 1e-3; the fourth with the task "
-          "prompts)",
+          "prompts; the fifth with the draft vocabulary grown to 16,384)",
           long_run_curve("smollm2-135m-instruct", "elsi-m1-seed0-steps480+400+400+500+1200-answers",
                          "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024",
-                         THIRD_PASS, THIRD_PASS + "+1200-lr0.001-answers-t1024-rtask-translation3-rtask-summarization3",
-                         after=1780,
+                         THIRD_PASS, FOURTH_PASS, FIFTH_PASS, after=1780,
                          sets=LONG_RUN_SETS + ("held-out-openings",))),
     Table("long-run-smollm2-eagle3-m3", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 of "
           "the replayed steps of the SmolLM2 EAGLE3-default m=3 cell and its continuation on all the data (labels from "
@@ -785,11 +787,11 @@ TABLES: tuple[Table, ...] = (
                   "elsi-m1-seed0-steps480+400+400+500+1200-answers+1200-answers-t1024"},
               ("summarization", "rag", "extraction", "qa", "translation", "writing"))),
     Table("long-run-smollm2-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
-          "(pooled and Spec-Bench per category) of the kept SmolLM2 draft's third pass and its fourth with the task "
-          "prompts of bench/task_sources.py drawn 3x as often", long_run_categories("smollm2-135m-instruct", {
-              "third pass (peak lr 1e-3), kept": THIRD_PASS,
-              "+1200 steps with the translation and summarization task prompts, 3x": THIRD_PASS +
-                  "+1200-lr0.001-answers-t1024-rtask-translation3-rtask-summarization3"},
+          "(pooled and Spec-Bench per category) of the kept SmolLM2 draft's third pass, its fourth with the task "
+          "prompts of bench/task_sources.py drawn 3x as often, and its fifth with the vocabulary grown to 16,384", long_run_categories("smollm2-135m-instruct", {
+              "third pass (peak lr 1e-3)": THIRD_PASS,
+              "+1200 steps with the translation and summarization task prompts, 3x": FOURTH_PASS,
+              "+800 more, vocabulary 4,096 -> 16,384": FIFTH_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("feature-cache-dump", "docs/real-models.md", "feature_cache_cpu.jsonl: feature_cache_dump, "
           "dump_tokens_per_s/layers-only of the long run's cache (bf16 target, bfloat16 cache)", cache_dump),
@@ -813,7 +815,8 @@ TABLES: tuple[Table, ...] = (
           "spec_bench_coverage/draft and spec_bench_ceiling_tau_k4/draft of the kept drafts' own vocabularies",
           kept_vocab({"Gemma 3 ELSI m=1, second pass": ("gemma3-270m", KEPT_GEMMA, 3500),
                       "Gemma 3 ELSI m=1, third pass with the task prompts": ("gemma3-270m", KEPT_GEMMA, 4700),
-                      "SmolLM2 ELSI m=1, fourth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 6580)})),
+                      "SmolLM2 ELSI m=1, fourth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 6580),
+                      "SmolLM2 ELSI m=1, fifth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 7380)})),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count",
           native_target_table(NATIVE, ("Q4_1", "Q8_0"))),
