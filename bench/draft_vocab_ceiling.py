@@ -65,7 +65,7 @@ def main() -> None:
     answers = torch.tensor([t for r in train for t in r["response_ids"]])
     vocab_size = int(answers.max()) + 1
     spec_bench = read_conversations(ROOT / "runs" / "long-run" / args.model / "spec-bench" / CONVERSATIONS_FILE)
-    vocabularies = {}  # metric suffix -> (vocabulary, params)
+    vocabularies = []  # (label, metric suffix, vocabulary, params)
     for folder in args.drafts:
         try:
             draft = read_draft(folder)
@@ -75,12 +75,12 @@ def main() -> None:
         # A kept folder is overwritten when its draft is continued: its steps tell the rows apart.
         facts = Path(folder) / "training.json"
         steps = json.loads(facts.read_text()).get("steps") if facts.is_file() else None
-        vocabularies[f"draft={folder}"] = (set(draft.draft_to_target(torch.arange(size)).tolist()),
-                                           {"draft": folder, "draft_steps": steps, "draft_vocab_size": size})
+        vocabularies.append((folder, "draft", set(draft.draft_to_target(torch.arange(size)).tolist()),
+                             {"draft": folder, "draft_steps": steps, "draft_vocab_size": size}))
     for size in [] if args.drafts else args.sizes:
-        vocabularies[f"V={size}"] = (set(draft_vocab_ids(answers, max(vocab_size, size), size).tolist()),
-                                     {"draft_vocab_size": size})
-    for name, (vocabulary, chosen) in vocabularies.items():
+        top = set(draft_vocab_ids(answers, max(vocab_size, size), size).tolist())
+        vocabularies.append((f"V={size}", f"V={size}", top, {"draft_vocab_size": size}))
+    for label, metric, vocabulary, chosen in vocabularies:
         train_coverage = sum(t in vocabulary for t in answers.tolist()) / len(answers)
         inside, total, emitted, rounds = {}, {}, {}, {}
         for r in spec_bench:
@@ -92,9 +92,8 @@ def main() -> None:
                 emitted[key], rounds[key] = emitted.get(key, 0) + e, rounds.get(key, 0) + n
         coverage = {key: inside[key] / total[key] for key in total}
         tau = {key: emitted[key] / rounds[key] for key in rounds}
-        print(f"{name}: training answers {train_coverage:.3f}, Spec-Bench {coverage['all']:.3f} "
+        print(f"{label}: training answers {train_coverage:.3f}, Spec-Bench {coverage['all']:.3f} "
               f"(translation {coverage.get('translation', float('nan')):.3f}), ceiling tau(k={args.k}) {tau['all']:.3f}")
-        metric = "draft" if "draft" in chosen else name
         params = {"model": args.model, **chosen, "k": args.k, "conversations": len(train),
                   "answer_tokens": len(answers), "train_coverage": train_coverage, "spec_bench_prompts": len(spec_bench)}
         record(RESULTS, "draft_vocab_ceiling", f"spec_bench_coverage/{metric}", coverage["all"], "fraction",
