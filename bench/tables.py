@@ -710,7 +710,7 @@ def results_index(results: Results) -> list[str]:
     body = []
     for name in files:
         rows = results.rows(name)
-        results.used.append(rows[0])  # the footnote names the file; each line gives its own runs
+        results.used.extend(rows)
         dates = sorted({row["date"] for row in rows})
         machines = "; ".join(sorted({machine(row["device"]) for row in rows}))
         written_by, status = RESULT_FILES[name]
@@ -788,7 +788,8 @@ TABLES: tuple[Table, ...] = (
               ("summarization", "rag", "extraction", "qa", "translation", "writing"))),
     Table("long-run-smollm2-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept SmolLM2 draft's third pass, its fourth with the task "
-          "prompts of bench/task_sources.py drawn 3x as often, and its fifth with the vocabulary grown to 16,384", long_run_categories("smollm2-135m-instruct", {
+          "prompts of bench/task_sources.py drawn 3x as often, and its fifth with the vocabulary grown to 16,384",
+          long_run_categories("smollm2-135m-instruct", {
               "third pass (peak lr 1e-3)": THIRD_PASS,
               "+1200 steps with the translation and summarization task prompts, 3x": FOURTH_PASS,
               "+800 more, vocabulary 4,096 -> 16,384": FIFTH_PASS},
@@ -806,7 +807,7 @@ TABLES: tuple[Table, ...] = (
           "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
           "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
           long_run_categories("gemma3-270m", {
-              "second pass, kept": GEMMA_SECOND_PASS,
+              "second pass": GEMMA_SECOND_PASS,
               "+1200 steps with the task prompts, 3x, vocabulary 11,264": GEMMA_TASK_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
