@@ -11,7 +11,8 @@ contender once; medians over --rounds):
               (`decoding.native_target.native_speculative_generate`, native draft steps on the
               target's threads, each decoder built once) on --prompts chat instructions, --tokens new
               tokens each; its tokens are checked equal to the native greedy tokens of the same
-              prompt, timed in the same round.
+              prompt, timed in the same round; with --prompt-lookup N also with the n-gram lookup
+              proposing before the draft (`speculative_loop(prompt_lookup=N)`).
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
@@ -24,7 +25,8 @@ positions, each rolled back; the samples keep T = 1..5 and 8 with all rows' logi
      verify_cost/<type>/threads=<t>/T=5      t(5 tokens) / t(1 token) of the native forward
      draft_tokens_per_s/<type>/threads=<t>/k=<k>
                                              native+draft, params.draft_dtype; baseline llama.cpp's
-                                             greedy (TARGET >= 1.5)
+                                             greedy (TARGET >= 1.5); .../lookup=<n> with prompt
+                                             lookup (params.prompt_lookup)
 Every row holds all samples and the load average: on a shared machine only rows from quiet cores
 are a verdict (--no-record for a smoke run).
 
@@ -128,6 +130,18 @@ def native_forward_costs(model: NativeForward, context: int, reps: int) -> dict[
     return {part: {t: statistics.median(v) for t, v in by_t.items()} for part, by_t in times.items()}
 
 
+def spec_bench_prompts(path: Path, per_category: int, max_tokens: int = 512) -> list[list[int]]:
+    """`per_category` Spec-Bench prompts of each category, as `eval-draft` encodes them (chat
+    template where the file has one, cut to their last `max_tokens` tokens)."""
+    from bench.common import shared_data
+    from elsi_fast.analysis.prompts import load_prompts, prompts_by_category
+    from elsi_fast.targets.loading import gguf_tokenizer
+
+    prompts = load_prompts(str(shared_data("prompts", "spec_bench_question.jsonl")))
+    grouped = prompts_by_category(prompts, gguf_tokenizer(path), per_category, max_tokens)
+    return [ids for ids_of_category in grouped.values() for ids in ids_of_category]
+
+
 def chat_prompts(path: Path, count: int) -> list[list[int]]:
     """The instructions in the file's chat template; as plain text where it has none (Gemma 3's base
     model, whose draft trained on plain-text instructions)."""
@@ -140,13 +154,16 @@ def chat_prompts(path: Path, count: int) -> list[list[int]]:
                                                return_dict=True)["input_ids"]) for text in INSTRUCTIONS[:count]]
 
 
+def case_name(dtype: str, k: int, lookup: int | None) -> str:
+    return f"{dtype}_k={k}" + ("" if lookup is None else f"_lookup={lookup}")
+
+
 def native_draft_round(model: NativeForward, decoders: dict[str, object], prompts: list[list[int]], tokens: int,
-                       ks: list[int]) -> dict:
-    """New tokens/s of native greedy and native+draft with each decoder (by weight dtype) at each k
-    over the prompts; tau; equality."""
+                       cases: list[tuple[str, int, int | None]]) -> dict:
+    """New tokens/s of native greedy and native+draft for each case (decoder weight dtype, k, prompt
+    lookup's n or None) over the prompts; tau; equality."""
     import torch
 
-    cases = [(dtype, k) for dtype in decoders for k in ks]
     out: dict = {"greedy_s": 0.0, "cases": {c: {"s": 0.0, "accepted": 0, "rounds": 0} for c in cases},
                  "equal": True, "new_tokens": 0}
     for ids in prompts:
@@ -154,10 +171,11 @@ def native_draft_round(model: NativeForward, decoders: dict[str, object], prompt
         greedy = native_greedy_generate(model, torch.tensor(ids), tokens)
         out["greedy_s"] += time.perf_counter() - start
         out["new_tokens"] += len(greedy)
-        for dtype, k in cases:
+        for dtype, k, lookup in cases:
             start = time.perf_counter()
-            spec = native_speculative_generate(model, decoders[dtype], torch.tensor(ids), tokens, k)
-            case = out["cases"][(dtype, k)]
+            spec = native_speculative_generate(model, decoders[dtype], torch.tensor(ids), tokens, k,
+                                               prompt_lookup=lookup)
+            case = out["cases"][(dtype, k, lookup)]
             case["s"] += time.perf_counter() - start
             case["accepted"] += sum(spec.accepted_lengths)
             case["rounds"] += spec.rounds
@@ -177,9 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", nargs="*", type=int, default=None,
                         help="draft lengths (none: no draft rows; default 1 2 3 with SmolLM2's kept draft)")
     parser.add_argument("--prompts", type=int, default=4, help=f"chat instructions (at most {len(INSTRUCTIONS)})")
+    parser.add_argument("--spec-bench", type=int, default=None, metavar="N",
+                        help="time the drafts on N Spec-Bench prompts of each of its 13 categories (cut to their "
+                        "last 512 tokens) instead of the chat instructions")
     parser.add_argument("--draft", type=Path, default=None, help="a draft for --model (default: SmolLM2's kept one)")
     parser.add_argument("--draft-dtypes", nargs="+", default=["bf16", "int8"], choices=["fp32", "bf16", "int8"],
                         help="the native draft's weight precisions, each a row (default bf16 int8)")
+    parser.add_argument("--prompt-lookup", nargs="+", type=int, default=[], metavar="N",
+                        help="also time each draft case with the n-gram lookup of each N proposing first")
     parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
     parser.add_argument("--note", default="", help="conditions to keep in the rows (e.g. background jobs paused)")
     args = parser.parse_args(argv)
@@ -195,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     files = gguf_files(args.types, args.model)
     load_before = os.getloadavg()
     samples: dict[tuple[str, int], dict[str, list[float]]] = {}
-    prompts = chat_prompts(files[args.types[0]], args.prompts) if args.k else []
+    if args.spec_bench is not None and args.spec_bench < 1:
+        parser.error(f"--spec-bench: expected a count >= 1, got {args.spec_bench}")
+    prompts = [] if not args.k else (chat_prompts(files[args.types[0]], args.prompts) if args.spec_bench is None
+                                     else spec_bench_prompts(files[args.types[0]], args.spec_bench))
     capacity = max([args.tokens, args.context, *(len(p) + args.tokens + max(args.k) + 1 for p in prompts)]) + 8
     models = {(k, t): NativeForward(p, capacity=capacity, num_threads=t)
               for k, p in files.items() for t in args.threads}
@@ -211,13 +237,15 @@ def main(argv: list[str] | None = None) -> int:
             for (k, threads), model in models.items():
                 if k == kind:
                     decoders[(kind, threads)] = {d: native_draft_decoder(model, draft, d) for d in args.draft_dtypes}
-    cases = [(dtype, k) for dtype in args.draft_dtypes for k in args.k]
+    if any(n < 1 for n in args.prompt_lookup):
+        parser.error(f"--prompt-lookup: expected n-gram lengths >= 1, got {args.prompt_lookup}")
+    cases = [(dtype, k, n) for dtype in args.draft_dtypes for k in args.k for n in [None, *args.prompt_lookup]]
     build: dict = {}
     for r in range(args.rounds):
         for (kind, threads), model in models.items():
             s = samples.setdefault((kind, threads), {"llama.cpp": [], "native": [], "t1_ms": [], "t5_ms": [],
-                                                     "chat_greedy": [], **{f"draft_{d}_k={k}": [] for d, k in cases},
-                                                     "tau": {f"{d}_k={k}": [0, 0] for d, k in cases}, "equal": True})
+                                                     "chat_greedy": [], **{f"draft_{case_name(*c)}": [] for c in cases},
+                                                     "tau": {case_name(*c): [0, 0] for c in cases}, "equal": True})
             ts, build = llamacpp_greedy(files[kind], args.tokens, threads)
             s["llama.cpp"].append(ts)
             s["native"].append(native_greedy(model, args.tokens))
@@ -227,16 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             s["t5_ms"].append(t5)
             s.setdefault("forward_ms", []).append(costs)
             if args.k:
-                d = native_draft_round(model, decoders[(kind, threads)], prompts, args.tokens, args.k)
+                d = native_draft_round(model, decoders[(kind, threads)], prompts, args.tokens, cases)
                 s["chat_greedy"].append(d["new_tokens"] / d["greedy_s"])
-                for (dtype, k), case in d["cases"].items():
-                    s[f"draft_{dtype}_k={k}"].append(d["new_tokens"] / case["s"])
-                    s["tau"][f"{dtype}_k={k}"][0] += case["accepted"] + case["rounds"]
-                    s["tau"][f"{dtype}_k={k}"][1] += case["rounds"]
+                for c, case in d["cases"].items():
+                    s[f"draft_{case_name(*c)}"].append(d["new_tokens"] / case["s"])
+                    s["tau"][case_name(*c)][0] += case["accepted"] + case["rounds"]
+                    s["tau"][case_name(*c)][1] += case["rounds"]
                 s["equal"] &= d["equal"]
-                print("  native greedy on chat prompts {:.1f} tokens/s; with the draft {} (tokens equal: {})".format(
-                    s["chat_greedy"][-1], ", ".join(f"{dt} k={k} {s[f'draft_{dt}_k={k}'][-1]:.1f}" for dt, k in cases),
-                    d["equal"]), flush=True)
+                print("  native greedy on the prompts {:.1f} tokens/s; with the draft {} (tokens equal: {})".format(
+                    s["chat_greedy"][-1], ", ".join(f"{case_name(*c)} {s[f'draft_{case_name(*c)}'][-1]:.1f}"
+                                                    for c in cases), d["equal"]), flush=True)
             print(f"round {r + 1} {kind} {threads} threads: llama.cpp {ts:.1f}, native {s['native'][-1]:.1f} "
                   f"tokens/s; native verify 5 tokens {t5 / t1:.2f}x", flush=True)
     load = {"before": load_before, "after": os.getloadavg()}
@@ -247,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         cost = statistics.median(s["t5_ms"]) / statistics.median(s["t1_ms"])
         print(f"{kind} threads={threads}: native {ours:.1f} tokens/s, llama.cpp {theirs:.1f} ({ours / theirs:.2f}x); "
               f"verify T=5 costs {cost:.2f}x T=1", flush=True)
-        for dtype, k in cases:
-            value = statistics.median(s[f"draft_{dtype}_k={k}"])
-            tau = s["tau"][f"{dtype}_k={k}"]
-            print(f"  with the {dtype} draft at k={k}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's "
+        for c in cases:
+            value = statistics.median(s[f"draft_{case_name(*c)}"])
+            tau = s["tau"][case_name(*c)]
+            print(f"  with the draft {case_name(*c)}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's "
                   f"greedy), tau {tau[0] / tau[1]:.3f}, tokens equal to native greedy: {s['equal']}", flush=True)
         if args.no_record:
             continue
@@ -263,13 +291,17 @@ def main(argv: list[str] | None = None) -> int:
                device=device, baseline=theirs, ratio=ours / theirs, params=params)
         record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,
                baseline=statistics.median(s["t1_ms"]), ratio=cost, params={**params, "context": args.context})
-        for dtype, k in cases:
-            value = statistics.median(s[f"draft_{dtype}_k={k}"])
-            tau = s["tau"][f"{dtype}_k={k}"][0] / s["tau"][f"{dtype}_k={k}"][1]
-            record(RESULTS_FILE, BENCHMARK, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}", value, "tokens/s",
+        for dtype, k, lookup in cases:
+            name = case_name(dtype, k, lookup)
+            value = statistics.median(s[f"draft_{name}"])
+            tau = s["tau"][name][0] / s["tau"][name][1]
+            record(RESULTS_FILE, BENCHMARK, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}"
+                   + ("" if lookup is None else f"/lookup={lookup}"), value, "tokens/s",
                    device=device, baseline=theirs, ratio=value / theirs,
                    params={**params, "draft": str(args.draft.name), "draft_dtype": dtype, "k": k, "tau": tau,
-                           "prompts": args.prompts,
+                           **({} if lookup is None else {"prompt_lookup": lookup}),
+                           "prompts": len(prompts),
+                           "prompt_set": "chat" if args.spec_bench is None else f"spec-bench x{args.spec_bench}",
                            "native_chat_greedy_tokens_per_s": statistics.median(s["chat_greedy"]),
                            "tokens_equal_native_greedy": s["equal"]})
     return 0

@@ -10,8 +10,8 @@
 ids, no prompt text, with the regenerate settings) and, for a `--self-instruct` folder,
 `self_instruct.json` (the sampling settings), `instructions_raw.jsonl.gz` (every sampled user
 turn: ids, text, finished; the filter is a function of this file) and `instructions.jsonl.gz`
-(the kept ones), and for a `--corpus-tasks` / `--corpus-documents` folder the recipe of its document
-tasks, `corpus_tasks.json` / `corpus_documents.json` (the corpora and evaluation prompt files as
+(the kept ones), and for a `--corpus-tasks` / `--corpus-documents` / `--corpus-copies` folder the
+recipe of its document tasks, `corpus_tasks.json` / `corpus_documents.json` / `corpus_copies.json` (the corpora and evaluation prompt files as
 given to `regenerate`, n, seed and the prompts' SHA-256), not their text, which comes from the
 user's corpora (here the shared folder's): `restore` builds the same prompts from them again, or
 stops if they differ. A target without a chat template (Gemma 3 270M, a base model) writes no
@@ -37,7 +37,7 @@ KEEP = ROOT / "bench" / "results" / "data"
 
 
 def keep(folder: Path, target: str) -> Path:
-    from elsi_fast.training.corpus_tasks import DOCUMENTS_FILE, TASKS_FILE
+    from elsi_fast.training.corpus_tasks import COPIES_FILE, DOCUMENTS_FILE, TASKS_FILE
     from elsi_fast.training.regenerate import SETTINGS_FILE, export_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -46,7 +46,7 @@ def keep(folder: Path, target: str) -> Path:
     sampled = (folder / "self_instruct.json").is_file()
     if sampled:
         shutil.copyfile(folder / "self_instruct.json", out / "self_instruct.json")
-    for name in (TASKS_FILE, DOCUMENTS_FILE):
+    for name in (TASKS_FILE, DOCUMENTS_FILE, COPIES_FILE):
         recipe = (folder / name).with_suffix(".json")
         if (folder / name).is_file():
             if not recipe.is_file():
@@ -66,7 +66,7 @@ def keep(folder: Path, target: str) -> Path:
 def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens: int) -> None:
     from elsi_fast.analysis.prompts import load_prompts
     from elsi_fast.targets.loading import load_model
-    from elsi_fast.training.corpus_tasks import DOCUMENTS_FILE, TASKS_FILE, rebuild_corpus_tasks
+    from elsi_fast.training.corpus_tasks import COPIES_FILE, DOCUMENTS_FILE, TASKS_FILE, rebuild_corpus_tasks
     from elsi_fast.training.regenerate import restore_answers
     from elsi_fast.training.self_instruct import KEPT_FILE, RAW_FILE
 
@@ -80,14 +80,15 @@ def restore(folder: Path, target: str, prompts_paths: list[str], max_new_tokens:
     for name in (RAW_FILE, KEPT_FILE) if sampled else ():
         with gzip.open(kept / (name + ".gz"), "rb") as src, open(folder / name, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    tasks = [name for name in (TASKS_FILE, DOCUMENTS_FILE) if (kept / name).with_suffix(".json").is_file()]
+    tasks = [name for name in (TASKS_FILE, DOCUMENTS_FILE, COPIES_FILE) if (kept / name).with_suffix(".json").is_file()]
     for name in tasks:
         try:
             rebuild_corpus_tasks(json.loads((kept / name).with_suffix(".json").read_text()), folder)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     model, tokenizer = load_model(target, device="cpu", dtype="float32")
-    # In the order `regenerate` lists them: --prompts, the sampled instructions, the corpus tasks, the documents.
+    # In the order `regenerate` lists them: --prompts, the sampled instructions, the corpus tasks, the documents,
+    # the copies.
     prompts = [prompt for path in prompts_paths for prompt in load_prompts(path)]
     if sampled:
         prompts += load_prompts(str(folder / KEPT_FILE))

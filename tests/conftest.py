@@ -99,3 +99,27 @@ def cpu_isa(request):
         pytest.skip(f"this CPU lacks {request.param}")
     yield request.param
     assert _C.set_cpu_isa(previous)
+
+
+@pytest.fixture(scope="session")
+def replay_setup(tmp_path_factory):
+    """A trained draft of the tiny target, the target's greedy continuations of 6 prompts, and
+    their feature cache (the replay tests of decoding.evaluation and bench.draft_copy)."""
+    from elsi_fast.analysis.prompts import Prompt
+    from elsi_fast.decoding import evaluation
+    from elsi_fast.training.train import train_draft
+    from tiny_lm import SMALL, TARGET, TEXTS, TOKENIZER
+    from elsi_fast.training.feature_cache import build
+    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
+    from tiny_lm import conversation_samples_of_tiny_target
+
+    tmp_path = tmp_path_factory.mktemp("replay")
+    samples = conversation_samples_of_tiny_target(tmp_path / "train", count=16, max_new_tokens=16)
+    draft, _ = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "draft",
+                           **{**SMALL, "steps": 40, "lr": 1e-2, "batch_size": 4})
+    prompts = [Prompt(text=TEXTS[(i * 5) % len(TEXTS)][3 + i : 30 + 4 * i], id=str(i), category=f"c{i % 2}", chat=True)
+               for i in range(6)]
+    regenerate(TARGET, TOKENIZER, prompts, tmp_path / "eval", max_new_tokens=20, batch_size=3, progress=False)
+    records = read_conversations(tmp_path / "eval" / CONVERSATIONS_FILE)
+    cache = build(TARGET, evaluation.continuation_samples(records), [1, 2, 4], tmp_path / "cache", progress=False)
+    return draft, records, cache

@@ -129,6 +129,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="run the target's decode and verify forwards on elsi-fast's CPU runtime with "
                           "these weights (elsi_fast.targets.target_runtime; faster verify forwards, the same tau for "
                           "the runtime's own greedy decoding; default: torch)")
+    evaluate.add_argument("--prompt-lookup", type=positive_int, default=None, metavar="N",
+                          help="propose the n-gram lookup's tokens (the tokens that followed the latest earlier "
+                          "occurrence of the last N tokens of prompt + output) in the rounds where it finds any, the "
+                          "draft's in the others; greedy targets copy, which the lookup predicts (default: the draft "
+                          "alone; 3 is a good N)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)
@@ -320,6 +325,10 @@ def print_tau_table(taus: dict[str, float], prompts: dict[str, int]) -> None:
         print(f"{category:<24} {count:>7} {tau:>6.3f}")
 
 
+def lookup_note(args: argparse.Namespace) -> str:
+    return "" if args.prompt_lookup is None else f", prompt lookup n={args.prompt_lookup} before the draft"
+
+
 def eval_handler(args: argparse.Namespace) -> int:
     from ..analysis.prompts import prompts_by_category
     from ..decoding.evaluation import pooled_tau, speculative_runs
@@ -344,20 +353,21 @@ def eval_handler(args: argparse.Namespace) -> int:
     stops = None if args.ignore_eos else stop_token_ids(model, tokenizer)
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
                             draft_dtype=args.draft_dtype, draft_backend=args.draft_backend, eos_token_id=stops,
-                            progress=not args.no_progress, state_path=progress_file)
+                            progress=not args.no_progress, state_path=progress_file, prompt_lookup=args.prompt_lookup)
     taus = pooled_tau(runs)
     results = [result for per_prompt in runs.values() for result in per_prompt]
     draft_calls = {key: sum(r.draft_calls.get(key, 0) for r in results) for key in results[0].draft_calls}
     backend = results[0].draft_backend.split(":")[0]
-    print(f"draft layers {list(draft.config.aux_layer_ids)}, k={args.k}, {args.max_new_tokens} new tokens per prompt; "
-          f"target: {describe_target(model)}")
+    print(f"draft layers {list(draft.config.aux_layer_ids)}, k={args.k}, {args.max_new_tokens} new tokens per prompt"
+          f"{lookup_note(args)}; target: {describe_target(model)}")
     print(f"draft backend: {backend}; calls over all prompts: "
           + ", ".join(f"{key} {count}" for key, count in draft_calls.items()))
     print_tau_table(taus, {category: len(prompts) for category, prompts in grouped.items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
-                       "max_new_tokens": args.max_new_tokens, "stop_ids": stops, "tau": taus, "draft_backend": backend,
+                       "max_new_tokens": args.max_new_tokens, "stop_ids": stops, "prompt_lookup": args.prompt_lookup,
+                       "tau": taus, "draft_backend": backend,
                        "draft_calls": draft_calls, "target_backend": describe_target(model)}, f, indent=1)
     if progress_file is not None:
         os.remove(progress_file)

@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft-dtype", choices=NATIVE_WEIGHT_DTYPES, default=None,
                         help="the draft's native weights (default: its own precision; int8 reads half of bf16's "
                              "bytes per step, docs/native-target.md)")
+    parser.add_argument("--prompt-lookup", type=positive_int, default=None, metavar="N",
+                        help="with --draft: propose what followed the latest earlier occurrence of the last N tokens "
+                        "where there is one, the draft's tokens elsewhere (2 is a good N; docs/real-models.md, "
+                        "\"Copying\")")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument("--prompts", help="a file of prompts: one per line, or JSON lines with a \"prompt\" key")
@@ -85,6 +89,8 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("--compare-greedy: needs --draft (greedy decoding is what runs without one)")
     if args.draft_dtype is not None and args.draft is None:
         raise UsageError("--draft-dtype: needs --draft")
+    if args.prompt_lookup is not None and args.draft is None:
+        raise UsageError("--prompt-lookup: needs --draft (it proposes in front of the draft)")
     args.prompt_texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
 
 
@@ -125,7 +131,7 @@ def handler(args: argparse.Namespace) -> int:
                                          on_token=stream)
         else:
             result = native_speculative_generate(native, draft, torch.tensor(ids), args.max_new_tokens, args.k,
-                                                 eos_token_id=eos, on_token=stream)
+                                                 eos_token_id=eos, on_token=stream, prompt_lookup=args.prompt_lookup)
             out = result.tokens
             totals["accepted"] += sum(result.accepted_lengths)
             totals["rounds"] += result.rounds
@@ -142,7 +148,8 @@ def handler(args: argparse.Namespace) -> int:
     speed = totals["tokens"] / totals["seconds"]
     line = f"{len(prompts)} prompts, {totals['tokens']} new tokens: {speed:.1f} tokens/s ({native.num_threads} threads"
     if draft is not None:
-        line += f", draft k={args.k}, tau {(totals['accepted'] + totals['rounds']) / max(totals['rounds'], 1):.3f}"
+        lookup = "" if args.prompt_lookup is None else f" behind a {args.prompt_lookup}-gram lookup"
+        line += f", draft k={args.k}{lookup}, tau {(totals['accepted'] + totals['rounds']) / max(totals['rounds'], 1):.3f}"
     print(line + ")")
     print(f"memory: weights {native.weights.weight_bytes() / 2**20:.0f} MiB as mapped from the file, "
           f"{native.packed_weight_bytes() / 2**20:.0f} MiB of them packed for the products, KV cache "

@@ -67,11 +67,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also answer N tasks on long documents, consecutive --corpus paragraphs of one article "
                         "joined into 250-450 words (summarize, key points, extract, a question placed after the "
                         "text, as in RAG prompts), written to OUT/corpus_documents.jsonl")
+    parser.add_argument("--corpus-copies", type=positive_int, default=None, metavar="N",
+                        help="also answer N copy tasks, a --corpus paragraph to repeat word for word (greedy "
+                        "targets copy from their prompt; a draft learns it from these), written to "
+                        "OUT/corpus_copies.jsonl")
     parser.add_argument("--corpus", nargs="+", default=None, metavar="TEXT",
-                        help="--corpus-tasks, --corpus-documents: plain-text corpora (paragraphs between blank "
+                        help="--corpus-tasks, --corpus-documents, --corpus-copies: plain-text corpora (paragraphs between blank "
                         "lines; WikiText as it ships)")
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="JSONL",
-                        help="--self-instruct, --corpus-tasks, --corpus-documents: evaluation prompt files "
+                        help="--self-instruct, --corpus-tasks, --corpus-documents, --corpus-copies: evaluation prompt files "
                         "(Spec-Bench, MT-bench) that the prompts must stay away from (a shared word 8-gram or a near "
                         "duplicate of a turn drops one)")
     parser.add_argument("--restore", default=None, metavar="ANSWERS_JSON",
@@ -137,10 +141,11 @@ def check(args: argparse.Namespace) -> None:
                 or not isinstance(args.restored.get("settings"), dict):
             raise UsageError("--restore: expected {\"settings\": ..., \"answers\": [...]} (export_answers output)")
     corpus_users = [flag for flag, n in (("--corpus-tasks", args.corpus_tasks),
-                                         ("--corpus-documents", args.corpus_documents)) if n is not None]
+                                         ("--corpus-documents", args.corpus_documents),
+                                         ("--corpus-copies", args.corpus_copies)) if n is not None]
     if args.corpus is not None and not corpus_users:
-        raise UsageError("--corpus: goes with --corpus-tasks or --corpus-documents (the corpora their prompts are "
-                         "built from)")
+        raise UsageError("--corpus: goes with --corpus-tasks, --corpus-documents or --corpus-copies (the corpora "
+                         "their prompts are built from)")
     if args.corpus is None and corpus_users:
         raise UsageError(f"{corpus_users[0]}: needs --corpus, the corpora to build them from")
     if args.corpus:
@@ -150,7 +155,7 @@ def check(args: argparse.Namespace) -> None:
             if not os.path.isfile(path):
                 raise UsageError(f"--corpus: no such file: {path}")
             # before the target loads: a typo'd file costs no model load
-            if args.corpus_tasks is not None and not passages(path):
+            if (args.corpus_tasks is not None or args.corpus_copies is not None) and not passages(path):
                 raise UsageError(f"--corpus: no paragraph of {MIN_WORDS}-{MAX_WORDS} words in {path}")
             if args.corpus_documents is not None and not documents(path):
                 raise UsageError(f"--corpus: no document of {DOCUMENT_WORDS[0]}-{DOCUMENT_WORDS[1]} words in {path}")
@@ -161,7 +166,8 @@ def check(args: argparse.Namespace) -> None:
         args.openings = _openings(args.instruction_openings)
     if args.self_instruct is None and not corpus_users:
         if args.eval_prompts is not None:
-            raise UsageError("--eval-prompts: only with --self-instruct, --corpus-tasks or --corpus-documents")
+            raise UsageError("--eval-prompts: only with --self-instruct, --corpus-tasks, --corpus-documents or "
+                             "--corpus-copies")
         return
     if not (math.isfinite(args.instruction_temperature) and args.instruction_temperature > 0):
         raise UsageError(f"--instruction-temperature: must be a number > 0, got {args.instruction_temperature}")
@@ -253,13 +259,14 @@ def _generate_all(args: argparse.Namespace, model, tokenizer, server) -> int:
               f"{dropped}); {written['new_tokens']} new tokens now ({written['new_tokens_per_s']:.1f} tokens/s); "
               f"{written['path']}")
         prompts = prompts + load_prompts(written["path"])
-    for n, long, label in ((args.corpus_tasks, False, "corpus tasks: {} document tasks"),
-                           (args.corpus_documents, True, "corpus documents: {} tasks on long documents")):
+    for n, kind, label in ((args.corpus_tasks, "paragraphs", "corpus tasks: {} document tasks"),
+                           (args.corpus_documents, "documents", "corpus documents: {} tasks on long documents"),
+                           (args.corpus_copies, "copies", "corpus copies: {} passages to repeat")):
         if n is None:
             continue
         try:
             path = write_corpus_tasks(args.corpus, args.out, n, eval_prompts=args.eval_prompts, seed=args.seed,
-                                      long=long)
+                                      kind=kind)
         except ValueError as exc:
             raise UsageError(f"--corpus: {one_line(exc).removeprefix('corpus: ')}") from None
         tasks = load_prompts(str(path))

@@ -155,7 +155,7 @@ def replay_handler(args: argparse.Namespace) -> int:
     try:
         runs = replay_runs(draft, records, cache, k=args.k, draft_dtype=args.draft_dtype,
                            draft_backend=args.draft_backend, batch_size=16 if batched else None, only=only,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, prompt_lookup=args.prompt_lookup)
     except ValueError as exc:
         text = one_line(exc)
         raise UsageError(f"--states: {text.removeprefix('cache: ')}" if text.startswith("cache:") else text) from None
@@ -163,11 +163,14 @@ def replay_handler(args: argparse.Namespace) -> int:
         _fail(f"--replay: no continuation of {args.replay_folder} has 2 or more new tokens (one verification round)")
     taus = pooled_tau(runs)
     backend = next(iter(runs.values()))[0].draft_backend
-    print(f"draft layers {layers}, k={args.k}, replayed on {sum(map(len, runs.values()))} cached continuations "
+    from .draft import lookup_note
+
+    print(f"draft layers {layers}, k={args.k}{lookup_note(args)}, replayed on {sum(map(len, runs.values()))} cached continuations "
           f"of {args.replay_folder} (no target forward); draft: {backend}")
     print_tau_table(taus, {category: len(results) for category, results in runs.items()})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"draft": args.draft, "layers": layers, "k": args.k, "replay": args.replay_folder,
+            json.dump({"draft": args.draft, "layers": layers, "k": args.k, "prompt_lookup": args.prompt_lookup,
+                       "replay": args.replay_folder,
                        "states": args.states, "tau": taus, "draft_backend": backend}, f, indent=1)
     return 0

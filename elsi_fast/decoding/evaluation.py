@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .prompt_lookup import lookup_matches
 from .speculative import (
     ReplayTarget, SpecResult, _draft_path, draft_positions_needed, native_decoder_for, speculative_generate,
     speculative_loop, stop_set,
@@ -46,6 +47,7 @@ def speculative_runs(
     eos_token_id: int | Sequence[int] | None = None,
     progress: bool = False,
     state_path: str | os.PathLike | None = None,
+    prompt_lookup: int | None = None,
 ) -> dict[str, list[SpecResult]]:
     """`speculative_generate` on every prompt: category -> one `SpecResult` per prompt.
 
@@ -57,7 +59,8 @@ def speculative_runs(
     `speculative_generate`), so int8 weights are quantized once and auto mode warns at most once.
     state_path: a JSON-lines file that gets each prompt's result as soon as it is done; a rerun
     with the same file, target, draft, prompts and settings takes the finished prompts from it
-    and runs only the rest (another setting starts the file over).
+    and runs only the rest (another setting starts the file over). prompt_lookup: as in
+    `speculative_generate` (the n-gram lookup proposes where it finds tokens).
     """
     from tqdm.auto import tqdm
 
@@ -68,7 +71,7 @@ def speculative_runs(
     runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
     stops = sorted(stop_set(eos_token_id))
     log = _ResultLog(state_path, _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend,
-                                                   stops))
+                                                   stops, prompt_lookup))
     done = log.load()
     longest = max((ids.numel() for _, ids in jobs), default=1)
     decoder = None
@@ -80,21 +83,24 @@ def speculative_runs(
         if index < len(done):
             result = done[index]
         elif decoder is not None:
-            result = speculative_generate(target, decoder, ids, max_new_tokens, k, eos_token_id=stops)
+            result = speculative_generate(target, decoder, ids, max_new_tokens, k, eos_token_id=stops,
+                                          prompt_lookup=prompt_lookup)
         else:
             result = speculative_generate(target, draft, ids, max_new_tokens, k, eos_token_id=stops,
-                                          draft_backend="torch")
+                                          draft_backend="torch", prompt_lookup=prompt_lookup)
         if index >= len(done):
             log.append(result)
         runs[category].append(result)
     return runs
 
 
-def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend, stops) -> str:
+def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend, stops,
+                      prompt_lookup=None) -> str:
     """What decides the results of speculative_runs: settings, prompts, the draft's weights, and the
     target's config and embeddings (hashing all of a large target's weights would take too long)."""
     digest = hashlib.sha256(json.dumps([k, max_new_tokens, draft_dtype, draft_backend,
-                                        [(cat, ids.tolist()) for cat, ids in jobs]] + ([stops] if stops else [])).encode())
+                                        [(cat, ids.tolist()) for cat, ids in jobs]] + ([stops] if stops else [])
+                                       + ([{"prompt_lookup": prompt_lookup}] if prompt_lookup else [])).encode())
     digest.update(target.config.to_json_string().encode())
     tensors = [*draft.state_dict().values(), target.get_input_embeddings().weight]
     head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
@@ -227,6 +233,7 @@ def replay_runs(
     batch_size: int | None = None,
     only: Sequence[int] | None = None,
     progress: bool = False,
+    prompt_lookup: int | None = None,
 ) -> dict[str, list[SpecResult]]:
     """The `SpecResult` of every record's prompt, replayed (see the module docstring): category ->
     results in record order. records: greedy `regenerate` records of the evaluation prompts (each
@@ -236,13 +243,15 @@ def replay_runs(
     and `eos_token_id` does. batch_size: replay that many prompts per torch forward, all rounds at
     once (`replay_runs_per_k`; the torch path's numbers), else one prompt at a time on the path
     draft_dtype / draft_backend choose.
-    only: replay just the records at these positions (the cache still covers all of them)."""
+    only: replay just the records at these positions (the cache still covers all of them).
+    prompt_lookup: n of the n-gram lookup that proposes where it finds tokens (`speculative_loop`)."""
     from tqdm.auto import tqdm
 
     if batch_size is not None:
         if draft_dtype is not None or draft_backend == "native":
             raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
-        return replay_runs_per_k(draft, records, cache, (k,), batch_size=batch_size, only=only, progress=progress)[k]
+        return replay_runs_per_k(draft, records, cache, (k,), batch_size=batch_size, only=only, progress=progress,
+                                 prompt_lookup=prompt_lookup)[k]
     samples = _checked_samples(records, cache)
     layers = list(draft.config.aux_layer_ids)
     longest = max(len(s.ids) for s in samples)
@@ -261,7 +270,7 @@ def replay_runs(
         eos = record["response_ids"][-1] if record.get("stop") == "eos" else None
         path = _draft_path(decoder if decoder is not None else draft, prompt, new, k, None,
                            "auto" if decoder is not None else "torch")
-        result = speculative_loop(runner, path, prompt, new, k, eos)
+        result = speculative_loop(runner, path, prompt, new, k, eos, prompt_lookup=prompt_lookup)
         runs.setdefault(record.get("category") or "text", []).append(result)
     return runs
 
@@ -275,6 +284,7 @@ def replay_runs_per_k(
     batch_size: int = 16,
     only: Sequence[int] | None = None,
     progress: bool = False,
+    prompt_lookup: int | None = None,
 ) -> dict[int, dict[str, list[SpecResult]]]:
     """`replay_runs` at every k of `ks` from one pass of the torch draft: k -> category -> results.
 
@@ -288,7 +298,9 @@ def replay_runs_per_k(
     bookkeeping: from t, n = min(L(t), k) accepted and t moves n + 1 on (`_rounds`). batch_size:
     sequences per forward (length-sorted). A sliding-window draft attends a window that moves
     with each step, which the whole-sequence forward does not: it replays with batch_size=None in
-    `replay_runs` when its sequences outgrow the window."""
+    `replay_runs` when its sequences outgrow the window. prompt_lookup: n; at the chain starts where
+    the n-gram lookup proposes (`prompt_lookup.lookup_matches`) its match length replaces the
+    draft's, as `speculative_loop(prompt_lookup=n)` proposes its tokens there."""
     from tqdm.auto import tqdm
 
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
@@ -306,10 +318,14 @@ def replay_runs_per_k(
     rounds: dict[int, dict[int, list[int]]] = {k: {} for k in ks}
     for start in tqdm(range(0, len(usable), batch_size), desc="replay tau (all k)", disable=not progress):
         chunk = usable[start : start + batch_size]
-        for i, matches in zip(chunk, _chain_matches(draft, [records[i] for i in chunk], samples, chunk, cache, layers,
+        for i, matches in zip(chunk, chain_matches(draft, [records[i] for i in chunk], samples, chunk, cache, layers,
                                                     max(ks))):
+            if prompt_lookup is not None:
+                looked, found = lookup_matches(samples[i].ids.tolist(), len(records[i]["prompt_ids"]) - 1,
+                                               prompt_lookup, max(ks))
+                matches = [looked[t] if found[t] else m for t, m in enumerate(matches)]
             for k in ks:
-                rounds[k][i] = _rounds(matches, records[i], k)
+                rounds[k][i] = chain_rounds(matches, records[i], k)
     runs: dict[int, dict[str, list[SpecResult]]] = {}
     for k in ks:
         runs[k] = {}
@@ -321,7 +337,7 @@ def replay_runs_per_k(
 
 
 @torch.no_grad()
-def _chain_matches(draft, records: list[dict], samples: list[Sample], indices: list[int], cache, layers: list[int],
+def chain_matches(draft, records: list[dict], samples: list[Sample], indices: list[int], cache, layers: list[int],
                    depth: int) -> list[list[int]]:
     """For each record, L(t) for every pair t = prompt_len - 1 ... len - 3: how many of the draft's
     first `depth` greedy chain tokens from t equal the continuation's (see `replay_runs_per_k`)."""
@@ -348,7 +364,7 @@ def _chain_matches(draft, records: list[dict], samples: list[Sample], indices: l
     return [counts[b, : lengths[b]].tolist() for b in range(len(indices))]
 
 
-def _rounds(matches: list[int], record: dict, k: int) -> list[int]:
+def chain_rounds(matches: list[int], record: dict, k: int) -> list[int]:
     """Accepted lengths of greedy chain decoding at k along a continuation with match lengths
     `matches` (index t: the chain from pair t), as `speculative.speculative_loop` runs it: a round
     proposes min(k, budget - emitted - 1) tokens and ends at the stop token."""

@@ -14,6 +14,13 @@ A round adds k-1 speculative draft entries (draft-fed features), verifies, crops
 cache to the accepted prefix, truncates the draft cache back to S-1 entries and re-extends it
 with the target's real features of the accepted positions.
 
+Prompt lookup (`prompt_lookup=n`, `prompt_lookup.PromptLookup`): a round whose last n tokens
+occurred earlier in prompt + output proposes the tokens that followed them there instead of the
+draft's chain (the draft's k - 1 steps do not run; its cache is re-extended as in any round), and
+`SpecResult.draft_calls["lookup_rounds"]` counts those rounds. Greedy targets copy from their prompt
+and repeat themselves, where the lookup is right more often than a draft (docs/real-models.md,
+"Copying").
+
 Draft paths. Native (`draft.native.NativeDraftDecoder`, weights in fp32, bf16 or int8): every
 proposal and the re-extension over the 1 .. k+1 accepted positions are fused decode steps (a loop
 of `from_target=True` steps for the latter); a prompt longer than `NATIVE_EXTEND_MAX` tokens is
@@ -36,6 +43,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 import torch
 
 from .._infra.native_names import DRAFT_BACKENDS
+from .prompt_lookup import PromptLookup
 from ..targets.capture import capture_hidden_states
 from ..targets.target_runtime import describe_target
 
@@ -60,7 +68,8 @@ class SpecResult:
     prefill forward; every later one from a verification round, so
     ``sum(accepted_lengths) + rounds == len(tokens) - 1``. `draft_calls` counts the draft calls
     that ran: ``native_steps`` (fused steps, one per draft position), ``torch_extends`` (torch
-    multi-position extends) and ``torch_steps`` (torch decode steps); `draft_backend` says the same
+    multi-position extends), ``torch_steps`` (torch decode steps) and, with prompt lookup,
+    ``lookup_rounds`` (rounds the lookup proposed); `draft_backend` says the same
     in words, e.g. "native cpu (avx512, 2 threads) int8: 123 steps"; `target_backend` how the
     target's forwards ran ("torch eager" or its `target_runtime` description).
     """
@@ -379,6 +388,7 @@ def speculative_generate(
     eos_token_id: int | Sequence[int] | None = None,
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
+    prompt_lookup: int | None = None,
 ) -> SpecResult:
     """Greedy speculative decoding of `target` with an EAGLE3 `draft`, batch 1.
 
@@ -389,7 +399,8 @@ def speculative_generate(
     must run natively (ValueError with the reason otherwise). draft_backend: "auto" (native in the
     draft's own precision when possible, else torch with a warning saying why), "native" or
     "torch". Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` (one id or
-    several, e.g. `targets.loading.stop_token_ids`) when given.
+    several, e.g. `targets.loading.stop_token_ids`) when given. prompt_lookup: n, to propose the
+    n-gram lookup's tokens in the rounds where it finds any (module docstring); None: the draft's only.
     Returns a `SpecResult` whose tokens equal the target's own greedy decoding.
     """
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
@@ -397,7 +408,7 @@ def speculative_generate(
         raise ValueError("draft: its config has no aux_layer_ids, so the target layers it reads are unknown")
     path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
     return speculative_loop(_TargetRunner(target, draft.config.aux_layer_ids), path, input_ids, max_new_tokens, k,
-                            eos_token_id)
+                            eos_token_id, prompt_lookup=prompt_lookup)
 
 
 def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -409,10 +420,12 @@ def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int, k: int,
                      eos_token_id: int | Sequence[int] | None,
-                     on_token: Callable[[int], None] | None = None) -> SpecResult:
+                     on_token: Callable[[int], None] | None = None, *,
+                     prompt_lookup: int | None = None) -> SpecResult:
     """The rounds of greedy chain speculative decoding (see the module docstring): `runner` is the
     target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
-    `_NativeDraftPath`). `on_token(id)` sees each emitted id as soon as its round has verified it."""
+    `_NativeDraftPath`). `on_token(id)` sees each emitted id as soon as its round has verified it.
+    prompt_lookup: n of the n-gram lookup whose proposals replace the draft's where it has any."""
     stops = stop_set(eos_token_id)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -422,6 +435,8 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     emitted = [int(greedy[0, -1])]
     if on_token is not None:
         on_token(emitted[0])
+    lookup = None if prompt_lookup is None else PromptLookup(prompt_lookup, input_ids[0].tolist() + emitted)
+    lookup_rounds = 0
     # Draft pairs (h_t, x_{t+1}) for every prompt position; the last output predicts x_{S}.
     pair_ids = torch.cat([input_ids[:, 1:], greedy[:, -1:]], dim=1)
     start = time.perf_counter()
@@ -434,8 +449,9 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
         round_k = min(k, max_new_tokens - len(emitted) - 1)
 
         start = time.perf_counter()
-        proposals: list[int] = []
-        if round_k > 0:
+        proposals = lookup.propose(round_k) if lookup is not None and round_k > 0 else []
+        lookup_rounds += bool(proposals)
+        if round_k > 0 and not proposals:
             proposals.append(proposal)
             for _ in range(round_k - 1):
                 proposal, hidden = path.step(hidden, proposal)
@@ -453,6 +469,8 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
         if ends:
             new_tokens = new_tokens[: ends[0] + 1]
         emitted.extend(new_tokens)
+        if lookup is not None:
+            lookup.extend(new_tokens)
         accepted_lengths.append(len(new_tokens) - 1)
         if on_token is not None:
             for token in new_tokens:
@@ -471,7 +489,8 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     return SpecResult(
         tokens=torch.tensor(emitted, dtype=torch.long), accepted_lengths=accepted_lengths, k=k,
         draft_time_s=draft_seconds, target_time_s=runner.seconds, draft_backend=path.describe(),
-        draft_calls=path.calls(), target_backend=runner.describe(),
+        draft_calls={**path.calls(), **({"lookup_rounds": lookup_rounds} if lookup is not None else {})},
+        target_backend=runner.describe(),
     )
 
 

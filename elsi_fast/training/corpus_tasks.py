@@ -16,13 +16,19 @@ its `= Title =` headings name the article that the title question asks about. Th
 function of the corpus files, `n` and `seed`, and each prompt's id names its seed and position, so
 `regenerate` resumes it like any prompt file.
 
-Documents (`documents`; `corpus_tasks(long=True)`, `regenerate --corpus-documents`) are consecutive
+Documents (`documents`; `corpus_tasks(kind="documents")`, `regenerate --corpus-documents`) are consecutive
 paragraphs of one article joined into 250-450 words (SmolLM2 prompts of 360-940 tokens). Why: 141
 of Spec-Bench's 160 summarization and RAG prompts fill the 512 tokens they are cut to, so their
 answers start past position 512, while 17 of SmolLM2's 20,107 training conversations had a prompt
 of 400 tokens or more (the paragraph tasks run to about 250, the self-written turns to about 100;
 docs/real-models.md, "Long prompts"): a third of Spec-Bench asked the draft for what it never
 trained on. Trained on alone, they held those two categories and lowered the rest (same section).
+
+Copies (`corpus_tasks(kind="copies")`, `regenerate --corpus-copies`) ask the target to repeat a
+passage word for word. Why: a greedy target copies from its prompt and from itself, and prompt
+lookup predicts those tokens with no draft at all, yet the kept drafts had not learned to copy
+(their first token was as often right where lookup's was as elsewhere; docs/real-models.md,
+"Copying"). A repeated passage is the plainest lesson in copying, answered by the target itself.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from .self_instruct import InstructionFilter, evaluation_texts
 
 TASKS_FILE = "corpus_tasks.jsonl"
 DOCUMENTS_FILE = "corpus_documents.jsonl"
+COPIES_FILE = "corpus_copies.jsonl"
 MIN_WORDS, MAX_WORDS = 60, 200
 DOCUMENT_WORDS = (250, 450)
 # (task, template): {passage} is the passage, {title} the article it comes from (title tasks are
@@ -59,6 +66,13 @@ DOCUMENT_TEMPLATES: dict[str, str] = {
     "key-points": TEMPLATES["key-points"].replace("this passage", "this text"),
     "extract": TEMPLATES["extract"],
     "title-question": "{passage}\n\nUsing only the text above, what does it tell us about {title}?",
+}
+# The copy tasks: the passage repeated whole, the instruction before or after it.
+COPY_TEMPLATES: dict[str, str] = {
+    "repeat": "Repeat the following text exactly.\n\n{passage}",
+    "copy-after": "{passage}\n\nCopy the text above word for word.",
+    "quote": "Quote this passage in full, without changing a word:\n\n{passage}",
+    "write-again": "Here is a paragraph:\n\n{passage}\n\nWrite it out again exactly as it is.",
 }
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?$")
 # WikiText's tokenization: " @-@ " for a hyphen inside a word, spaces before punctuation.
@@ -166,25 +180,36 @@ def documents(path: str | os.PathLike, words: tuple[int, int] = DOCUMENT_WORDS) 
     return out
 
 
+# kind -> (split of a corpus file, templates, word range, id prefix, category family, prompts file)
+KINDS = {
+    "paragraphs": ("passages", TEMPLATES, (MIN_WORDS, MAX_WORDS), "ct", "corpus", TASKS_FILE),
+    "documents": ("documents", DOCUMENT_TEMPLATES, DOCUMENT_WORDS, "cd", "document", DOCUMENTS_FILE),
+    "copies": ("passages", COPY_TEMPLATES, (MIN_WORDS, MAX_WORDS), "cc", "copy", COPIES_FILE),
+}
+
+
 def corpus_tasks(corpus_paths: Sequence[str | os.PathLike], n: int, *, eval_texts: Iterable[str] = (),
-                 seed: int = 0, long: bool = False) -> list[dict]:
+                 seed: int = 0, kind: str = "paragraphs") -> list[dict]:
     """Up to `n` document-task prompts in the prompts format (`question_id`, `category`, `turns`):
     passages of the corpora in a seeded order, each with a task drawn by the same generator, kept
-    when `InstructionFilter` (evaluation overlap, duplicates) keeps the whole prompt. `long`: the
-    DOCUMENT_TEMPLATES tasks on `documents` (ids `cd-`, categories `document-`) instead."""
+    when `InstructionFilter` (evaluation overlap, duplicates) keeps the whole prompt. `kind`
+    (`KINDS`): "paragraphs" (TEMPLATES, ids `ct-`, categories `corpus-`), "documents" (the
+    DOCUMENT_TEMPLATES tasks on `documents`; `cd-`, `document-`) or "copies" (COPY_TEMPLATES on
+    paragraphs; `cc-`, `copy-`)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n: expected a positive integer, got {n!r}")
-    split, templates, (low, high) = ((documents, DOCUMENT_TEMPLATES, DOCUMENT_WORDS) if long else
-                                     (passages, TEMPLATES, (MIN_WORDS, MAX_WORDS)))
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    split_name, templates, (low, high), prefix, family, _ = KINDS[kind]
+    split = documents if split_name == "documents" else passages
     pool = [p for path in corpus_paths for p in split(path)]
     if not pool:
-        what = "document" if long else "paragraph"
+        what = "document" if split is documents else "paragraph"
         raise ValueError(f"corpus: no {what} of {low}-{high} words in {', '.join(map(str, corpus_paths))}")
     rng = random.Random(seed)
     order = list(range(len(pool)))
     rng.shuffle(order)
     guard = InstructionFilter(eval_texts)
-    prefix, family = ("cd", "document") if long else ("ct", "corpus")
     kept: list[dict] = []
     for position in order:
         passage, title = pool[position]
@@ -200,22 +225,28 @@ def corpus_tasks(corpus_paths: Sequence[str | os.PathLike], n: int, *, eval_text
 
 
 def write_corpus_tasks(corpus_paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, n: int, *,
-                       eval_prompts: Sequence[str | os.PathLike] = (), seed: int = 0, long: bool = False) -> Path:
-    """`corpus_tasks`, kept away from every turn of the `eval_prompts` files, written to
-    `out_dir/corpus_tasks.jsonl` (`long`: corpus_documents.jsonl; rewritten alike on a resumed run),
-    and beside it their recipe (the same name, `.json`: the files as given, n, seed, and the prompts'
-    SHA-256), from which `rebuild_corpus_tasks` writes them again: a kept data folder stores the
-    recipe, not the corpora's text (bench/keep_data.py)."""
+                       eval_prompts: Sequence[str | os.PathLike] = (), seed: int = 0, kind: str = "paragraphs") -> Path:
+    """`corpus_tasks`, kept away from every turn of the `eval_prompts` files, written to the kind's
+    prompts file in `out_dir` (`KINDS`: corpus_tasks.jsonl, corpus_documents.jsonl or
+    corpus_copies.jsonl; rewritten alike on a resumed run), and beside it their recipe (the same
+    name, `.json`: the files as given, n, seed, kind, and the prompts' SHA-256), from which
+    `rebuild_corpus_tasks` writes them again: a kept data folder stores the recipe, not the corpora's
+    text (bench/keep_data.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / (DOCUMENTS_FILE if long else TASKS_FILE)
-    records = corpus_tasks(corpus_paths, n, eval_texts=evaluation_texts(eval_prompts), seed=seed, long=long)
+    records = corpus_tasks(corpus_paths, n, eval_texts=evaluation_texts(eval_prompts), seed=seed, kind=kind)
+    path = out / KINDS[kind][-1]
     text = "".join(json.dumps(r) + "\n" for r in records)
     path.write_text(text)
     recipe = {"corpora": [str(p) for p in corpus_paths], "eval_prompts": [str(p) for p in eval_prompts], "n": n,
-              "seed": seed, "long": long, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+              "seed": seed, "kind": kind, "sha256": hashlib.sha256(text.encode()).hexdigest()}
     path.with_suffix(".json").write_text(json.dumps(recipe, indent=1) + "\n")
     return path
+
+
+def recipe_kind(recipe: dict) -> str:
+    """The kind of a kept recipe; recipes written before copies existed say `long` instead."""
+    return recipe.get("kind") or ("documents" if recipe.get("long") else "paragraphs")
 
 
 def rebuild_corpus_tasks(recipe: dict, out_dir: str | os.PathLike) -> Path:
@@ -226,7 +257,7 @@ def rebuild_corpus_tasks(recipe: dict, out_dir: str | os.PathLike) -> Path:
         raise ValueError(f"corpus: no such file: {missing[0]} (the corpora and evaluation prompts the tasks were "
                          "built from, as given to regenerate; run from the same folder)")
     path = write_corpus_tasks(recipe["corpora"], out_dir, recipe["n"], eval_prompts=recipe["eval_prompts"],
-                              seed=recipe["seed"], long=recipe["long"])
+                              seed=recipe["seed"], kind=recipe_kind(recipe))
     if hashlib.sha256(path.read_bytes()).hexdigest() != recipe["sha256"]:
         raise ValueError(f"corpus: the prompts rebuilt from {', '.join(recipe['corpora'])} differ from the kept ones "
                          "(other versions of the corpora or evaluation prompts)")

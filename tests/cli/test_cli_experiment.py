@@ -87,6 +87,17 @@ def test_replayed_tau_equals_live_tau_without_a_target_forward(setup, monkeypatc
     assert "no target forward" in printed and printed.splitlines()[-1].split() == ["all", "6", f"{first['all']:.3f}"]
     assert main([*base, "--max-prompts", "1"]) == 0
     assert "rag                            1" in capsys.readouterr().out
+    # with prompt lookup in front of the draft: the replay equals live decoding with it
+    assert main([*base, "--prompt-lookup", "1"]) == 0
+    written = json.loads(out.read_text())
+    assert written["prompt_lookup"] == 1 and "prompt lookup n=1 before the draft" in capsys.readouterr().out
+    live = {}
+    for record in read_conversations(answers / "conversations.jsonl"):
+        eos = record["response_ids"][-1] if record["stop"] == "eos" else None
+        live.setdefault(record["category"], []).append(speculative_generate(
+            model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
+            draft_backend="torch", prompt_lookup=1))
+    assert written["tau"] == pytest.approx(pooled_tau(live)) and written["tau"] != first
 
 
 def _fails(args, capsys, match):

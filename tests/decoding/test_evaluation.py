@@ -50,51 +50,53 @@ def test_eval_progress_file_cut_by_a_crash_starts_over_or_keeps_whole_lines(tmp_
     assert evaluation._ResultLog(log_path, "other").load() == []  # other settings: start over
 
 
-@pytest.fixture(scope="module")
-def replay_setup(tmp_path_factory):
-    """A trained draft of the tiny target, the target's greedy continuations of 6 prompts, and
-    their feature cache."""
-    from elsi_fast.analysis.prompts import Prompt
-    from elsi_fast.training.feature_cache import build
-    from elsi_fast.training.regenerate import CONVERSATIONS_FILE, read_conversations, regenerate
-    from tiny_lm import conversation_samples_of_tiny_target
-
-    tmp_path = tmp_path_factory.mktemp("replay")
-    samples = conversation_samples_of_tiny_target(tmp_path / "train", count=16, max_new_tokens=16)
-    draft, _ = train_draft(TARGET, TOKENIZER, [2, 4], samples, out_dir=tmp_path / "draft",
-                           **{**SMALL, "steps": 40, "lr": 1e-2, "batch_size": 4})
-    prompts = [Prompt(text=TEXTS[(i * 5) % len(TEXTS)][3 + i : 30 + 4 * i], id=str(i), category=f"c{i % 2}", chat=True)
-               for i in range(6)]
-    regenerate(TARGET, TOKENIZER, prompts, tmp_path / "eval", max_new_tokens=20, batch_size=3, progress=False)
-    records = read_conversations(tmp_path / "eval" / CONVERSATIONS_FILE)
-    cache = build(TARGET, evaluation.continuation_samples(records), [1, 2, 4], tmp_path / "cache", progress=False)
-    return draft, records, cache
-
-
+@pytest.mark.parametrize("prompt_lookup", [None, 1, 3])
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend):
+def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend, prompt_lookup):
     """tau replayed from the target's greedy continuation (no target forward) gives the accepted
-    lengths of speculative_generate, round by round, prompt by prompt."""
+    lengths of speculative_generate, round by round, prompt by prompt, with prompt lookup too."""
     from elsi_fast.draft import native
 
     if backend == "native" and not native.available("cpu"):
         pytest.skip("native extension not built")
     draft, records, cache = replay_setup
+    looked = 0
     for k in (1, 3, 5):
-        replayed = evaluation.replay_runs(draft, records, cache, k=k, draft_backend=backend)
+        replayed = evaluation.replay_runs(draft, records, cache, k=k, draft_backend=backend,
+                                          prompt_lookup=prompt_lookup)
         rounds = 0
         for category, results in replayed.items():
             live_records = [r for r in records if r["category"] == category]
             for record, result in zip(live_records, results):
                 eos = record["response_ids"][-1] if record["stop"] == "eos" else None
                 live = speculative_generate(TARGET, draft, torch.tensor(record["prompt_ids"]),
-                                            len(record["response_ids"]), k, eos_token_id=eos, draft_backend=backend)
+                                            len(record["response_ids"]), k, eos_token_id=eos, draft_backend=backend,
+                                            prompt_lookup=prompt_lookup)
                 assert result.accepted_lengths == live.accepted_lengths, (k, record["id"])
                 assert result.tokens.tolist() == live.tokens.tolist() == record["response_ids"]
+                assert ("lookup_rounds" in live.draft_calls) == (prompt_lookup is not None)
+                looked += live.draft_calls.get("lookup_rounds", 0)
                 rounds += result.rounds
         assert rounds > 0 and evaluation.pooled_tau(replayed)["all"] > 1.0
+    if prompt_lookup == 1:
+        assert looked > 0  # the lookup did propose (a 1-gram recurs in every continuation)
     with pytest.raises(ValueError, match="cache: .* other continuations"):
         evaluation.replay_runs(draft, records[:-1], cache)
+
+
+def test_chain_replay_with_prompt_lookup_equals_the_one_prompt_replay(replay_setup):
+    """With prompt lookup, the whole-sequence replay takes the lookup's matches where it proposes:
+    the accepted lengths of the one-prompt replay (itself equal to live decoding, above)."""
+    draft, records, cache = replay_setup
+    ks = (1, 3, 5)
+    for n in (1, 2):
+        every_k = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=4, prompt_lookup=n)
+        for k in ks:
+            one = evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch", prompt_lookup=n)
+            assert {c: [r.accepted_lengths for r in rs] for c, rs in every_k[k].items()} == \
+                {c: [r.accepted_lengths for r in rs] for c, rs in one.items()}, (n, k)
+        plain = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=4)
+        assert any(a.accepted_lengths != b.accepted_lengths for c in plain[5] for a, b in zip(plain[5][c], every_k[5][c]))
 
 
 def test_chain_replay_at_every_k_equals_the_one_prompt_replay(replay_setup):

@@ -194,6 +194,27 @@ def test_random_draft_output_equals_greedy(name, k, prompt, draft_dtype, draft_b
         assert result.draft_backend == f"torch eager float32: {result.rounds} extends, {fed_back} steps"
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("draft_backend", ["torch", pytest.param("native", marks=requires_native)])
+def test_prompt_lookup_proposes_in_the_rounds_whose_ngram_recurs(n, draft_backend):
+    """The output is still greedy; a round is the lookup's exactly when its context's last n tokens
+    occurred before (brute force over the emitted tokens, round by round)."""
+    target = TARGETS[sorted(TARGETS)[0]]
+    draft = random_draft(target, [1], seed=7)
+    prompt = [3, 9, 4, 3, 9, 4, 3, 9, 1, 2, 3, 9]  # repeats, so the lookup has something to find
+    result = speculative_generate(target, draft, torch.tensor(prompt), 24, 4, prompt_lookup=n,
+                                  draft_backend=draft_backend)
+    tokens = result.tokens.tolist()
+    assert tokens == greedy_reference(target, torch.tensor(prompt), 24)
+    expected, emitted = 0, 1
+    for accepted in result.accepted_lengths:
+        context = prompt + tokens[:emitted]
+        round_k = min(4, 24 - emitted - 1)  # a last round with one token left proposes nothing
+        expected += round_k > 0 and any(context[j : j + n] == context[-n:] for j in range(len(context) - n))
+        emitted += accepted + 1
+    assert result.draft_calls["lookup_rounds"] == expected > 0
+
+
 @pytest.mark.parametrize("name", sorted(TARGETS))
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_oracle_draft_accepts_everything(name, k):

@@ -73,7 +73,7 @@ def test_documents_join_consecutive_runs_of_one_article_within_the_word_budget(c
 def test_long_tasks_hold_one_document_each_under_their_own_ids(corpus, tmp_path):
     plain = tmp_path / "novel.txt"
     plain.write_text("\n\n".join(words(60, f"w{i}n") for i in range(40)))
-    tasks = ct.corpus_tasks([corpus, plain], 100, seed=2, long=True)
+    tasks = ct.corpus_tasks([corpus, plain], 100, seed=2, kind="documents")
     pool = [d for f in (corpus, plain) for d, _ in ct.documents(f)]
     # the second article (10 + 250 words) and the 2,400 words of the novel in runs of 7 (420 words),
     # the last 5 (300) kept
@@ -85,7 +85,7 @@ def test_long_tasks_hold_one_document_each_under_their_own_ids(corpus, tmp_path)
     short = tmp_path / "short.txt"
     short.write_text("\n\n".join(words(60, f"s{i}n") for i in range(4)))  # 240 words in all
     with pytest.raises(ValueError, match="corpus: no document of 250-450 words"):
-        ct.corpus_tasks([short], 5, long=True)
+        ct.corpus_tasks([short], 5, kind="documents")
 
 
 def test_a_recipe_rebuilds_the_same_prompts_and_refuses_other_corpora(corpus, tmp_path, monkeypatch):
@@ -94,7 +94,7 @@ def test_a_recipe_rebuilds_the_same_prompts_and_refuses_other_corpora(corpus, tm
     evaluation.write_text(json.dumps({"turns": ["Please explain: " + " ".join(f"alpha{i}" for i in range(30, 38))]}))
     path = ct.write_corpus_tasks([corpus.name], tmp_path / "a", 10, eval_prompts=[evaluation.name], seed=1)
     recipe = json.loads(path.with_suffix(".json").read_text())
-    assert recipe["corpora"] == ["wiki.txt"] and recipe["n"] == 10 and not recipe["long"]
+    assert recipe["corpora"] == ["wiki.txt"] and recipe["n"] == 10 and recipe["kind"] == "paragraphs"
     assert len(path.read_text().splitlines()) == 2  # the alpha passage is near the evaluation prompt
     again = ct.rebuild_corpus_tasks(recipe, tmp_path / "b")
     assert again.read_bytes() == path.read_bytes() and again.name == ct.TASKS_FILE
@@ -103,6 +103,29 @@ def test_a_recipe_rebuilds_the_same_prompts_and_refuses_other_corpora(corpus, tm
         ct.rebuild_corpus_tasks(recipe, tmp_path / "c")
     with pytest.raises(ValueError, match="corpus: no such file: nope.txt"):
         ct.rebuild_corpus_tasks({**recipe, "corpora": ["nope.txt"]}, tmp_path / "d")
+    # a recipe kept before kinds existed names its kind by `long`
+    corpus.write_text(corpus.read_text().replace("beta1x ", "beta1 "))
+    older = {k: v for k, v in recipe.items() if k != "kind"}
+    assert ct.rebuild_corpus_tasks({**older, "long": False}, tmp_path / "e").read_bytes() == path.read_bytes()
+
+
+def test_copy_tasks_hold_one_whole_passage_under_their_own_ids(corpus, tmp_path):
+    plain = tmp_path / "novel.txt"
+    plain.write_text("\n\n".join(words(60 + i, f"w{i}n") for i in range(12)))
+    files = [corpus, plain]
+    copies = ct.corpus_tasks(files, 10**6, seed=5, kind="copies")
+    pool = [p for f in files for p, _ in ct.passages(f)]
+    assert len(copies) == len(pool)
+    for task in copies:
+        assert task["question_id"].startswith("cc-5-") and task["category"].removeprefix("copy-") in ct.COPY_TEMPLATES
+        assert sum(p in task["turns"][0] for p in pool) == 1
+    # the same passages in the same order as the paragraph tasks of that seed, other prompts
+    tasks = ct.corpus_tasks(files, 10**6, seed=5)
+    assert [t["question_id"][3:] for t in tasks] == [c["question_id"][3:] for c in copies]
+    path = ct.write_corpus_tasks(files, tmp_path / "out", 4, seed=5, kind="copies")
+    assert path.name == ct.COPIES_FILE and json.loads(path.with_suffix(".json").read_text())["kind"] == "copies"
+    with pytest.raises(ValueError, match="kind: expected one of paragraphs, documents, copies"):
+        ct.corpus_tasks(files, 3, kind="long")
 
 
 def test_wikitext_spacing_is_undone():
@@ -167,6 +190,9 @@ def test_cli_checks_corpus_arguments_before_the_target_loads(tmp_path, capsys):
         (["--corpus-documents", "5"], "--corpus-documents: needs --corpus"),
         (["--corpus-documents", "5", "--corpus", str(corpus)], f"--corpus: no document of 250-450 words in {corpus}"),
         (["--corpus-documents", "5", "--corpus", str(long_text)], "--eval-prompts: --corpus-documents needs"),
+        (["--corpus-copies", "5"], "--corpus-copies: needs --corpus"),
+        (["--corpus-copies", "5", "--corpus", str(short)], f"--corpus: no paragraph of 60-200 words in {short}"),
+        (["--corpus-copies", "5", "--corpus", str(corpus)], "--eval-prompts: --corpus-copies needs"),
     ]
     assert_usage_errors(base, cases, capsys, tmp_path / "out")
 
