@@ -426,6 +426,9 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
     target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
     `_NativeDraftPath`). `on_token(id)` sees each emitted id as soon as its round has verified it.
     prompt_lookup: n of the n-gram lookup whose proposals replace the draft's where it has any."""
+    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
+                                      or prompt_lookup < 1):
+        raise ValueError(f"prompt_lookup: expected the n-gram length (an int >= 1) or None, got {prompt_lookup!r}")
     stops = stop_set(eos_token_id)
     device = input_ids.device
     prompt_len = input_ids.shape[1]

@@ -213,6 +213,9 @@ def test_prompt_lookup_proposes_in_the_rounds_whose_ngram_recurs(n, draft_backen
         expected += round_k > 0 and any(context[j : j + n] == context[-n:] for j in range(len(context) - n))
         emitted += accepted + 1
     assert result.draft_calls["lookup_rounds"] == expected > 0
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="^prompt_lookup: expected the n-gram length"):
+            speculative_generate(target, draft, torch.tensor(prompt), 4, 2, prompt_lookup=bad)
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
