@@ -155,7 +155,7 @@ def test_cli_self_instruct_arguments_are_checked_before_the_target_loads(tmp_pat
     blank.write_text("\n  \n")
     cases = [
         (["--self-instruct", "10"], "--eval-prompts: --self-instruct needs"),
-        (["--eval-prompts", str(prompts)], "--eval-prompts: only with --self-instruct, --corpus-tasks or --corpus-documents"),
+        (["--eval-prompts", str(prompts)], "--eval-prompts: only with --self-instruct, --corpus-tasks, --corpus-documents or --corpus-copies"),
         (["--self-instruct", "10", "--eval-prompts", str(tmp_path / "nope.jsonl")], "--eval-prompts: no such file"),
         (["--self-instruct", "10", "--eval-prompts", str(prompts), "--instruction-temperature", "0"],
          "--instruction-temperature: must be a number > 0"),
