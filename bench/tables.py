@@ -600,9 +600,10 @@ def draft_copy(drafts: Mapping[str, tuple[str, str]], n: int) -> Callable[[Resul
                        for m in ("draft", "prompt_lookup", "lookup_then_draft", "either")}
                 first = {m: DRAFT_COPY.pick(results, f"first_token_acc/{m}", set=name, **where)["value"]
                          for m in ("draft", "prompt_lookup", "draft_where_lookup_right")}
-                body.append([label, set_label, *(f"{v:.3f}" for v in tau.values()), *(f"{v:.2f}" for v in first.values()),
-                             f"{repeat['value']:.2f} / {copied['value']:.2f}"])
-        return markdown(["draft", "set", "tau: draft", f"{n}-gram lookup", "lookup, else draft", "max of the two",
+                seen = repeat["params"]["tokens_seen"]
+                body.append([label, f"{seen / 1e6:.1f}M", set_label, *(f"{v:.3f}" for v in tau.values()),
+                             *(f"{v:.2f}" for v in first.values()), f"{repeat['value']:.2f} / {copied['value']:.2f}"])
+        return markdown(["draft", "tokens seen", "set", "tau: draft", f"{n}-gram lookup", "lookup, else draft", "max of the two",
                          "first token right: draft", "lookup", "draft where lookup is right",
                          "repeated passage: draft = target / target copies"], body)
 
