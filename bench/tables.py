@@ -352,6 +352,7 @@ FIFTH_PASS = FOURTH_PASS + "+800-lr0.001-v16384-answers-t1024" + TASKS_3X
 # The kept Gemma 3 ELSI m=1 draft's second pass on all the data (bench/results/drafts/gemma3-270m/elsi-m1-12, 2026-12-06)
 GEMMA_SECOND_PASS = "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers"
 GEMMA_TASK_PASS = GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024" + TASKS_3X
+GEMMA_FOURTH_PASS = GEMMA_TASK_PASS + "+2000-lr0.001-v11264-answers-t1024" + TASKS_3X
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -623,8 +624,9 @@ def draft_copy_n(drafts: Mapping[str, tuple[str, str]], ns: Sequence[int]) -> Ca
                            for m in ("prompt_lookup", "lookup_then_draft", "either")]
                 except LookupError:
                     continue  # that n was not measured for this draft
-                body.append([label, str(n), *(f"{v:.3f}" for v in tau)])
-        return markdown(["draft", "n", "lookup alone", "lookup, else draft", "max of the two"], body)
+                seen = DRAFT_COPY.pick(results, "tau_k4/draft", **where)["params"]["tokens_seen"]
+                body.append([label, f"{seen / 1e6:.1f}M", str(n), *(f"{v:.3f}" for v in tau)])
+        return markdown(["draft", "tokens seen", "n", "lookup alone", "lookup, else draft", "max of the two"], body)
 
     return render
 
@@ -886,13 +888,14 @@ TABLES: tuple[Table, ...] = (
           long_run_curve("gemma3-270m", "elsi-m1-seed0-steps500", "elsi-m1-seed0-steps500+300",
                          "elsi-m1-seed0-steps500+300+300-v8192",
                          "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers", GEMMA_SECOND_PASS,
-                         GEMMA_TASK_PASS)),
+                         GEMMA_TASK_PASS, GEMMA_FOURTH_PASS)),
     Table("long-run-gemma3-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
           "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
           long_run_categories("gemma3-270m", {
               "second pass": GEMMA_SECOND_PASS,
-              "+1200 steps with the task prompts, 3x, vocabulary 11,264": GEMMA_TASK_PASS},
+              "+1200 steps with the task prompts, 3x, vocabulary 11,264": GEMMA_TASK_PASS,
+              "+2000 steps more, the same data and recipe": GEMMA_FOURTH_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
