@@ -133,7 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="propose the n-gram lookup's tokens (the tokens that followed the latest earlier "
                           "occurrence of the last N tokens of prompt + output) in the rounds where it finds any, the "
                           "draft's in the others; greedy targets copy, which the lookup predicts (default: the draft "
-                          "alone; 3 is a good N)")
+                          "alone; 2 is a good N)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)

@@ -182,9 +182,9 @@ def documents(path: str | os.PathLike, words: tuple[int, int] = DOCUMENT_WORDS) 
 
 # kind -> (split of a corpus file, templates, word range, id prefix, category family, prompts file)
 KINDS = {
-    "paragraphs": ("passages", TEMPLATES, (MIN_WORDS, MAX_WORDS), "ct", "corpus", TASKS_FILE),
-    "documents": ("documents", DOCUMENT_TEMPLATES, DOCUMENT_WORDS, "cd", "document", DOCUMENTS_FILE),
-    "copies": ("passages", COPY_TEMPLATES, (MIN_WORDS, MAX_WORDS), "cc", "copy", COPIES_FILE),
+    "paragraphs": (passages, TEMPLATES, (MIN_WORDS, MAX_WORDS), "ct", "corpus", TASKS_FILE),
+    "documents": (documents, DOCUMENT_TEMPLATES, DOCUMENT_WORDS, "cd", "document", DOCUMENTS_FILE),
+    "copies": (passages, COPY_TEMPLATES, (MIN_WORDS, MAX_WORDS), "cc", "copy", COPIES_FILE),
 }
 
 
@@ -200,8 +200,7 @@ def corpus_tasks(corpus_paths: Sequence[str | os.PathLike], n: int, *, eval_text
         raise ValueError(f"n: expected a positive integer, got {n!r}")
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    split_name, templates, (low, high), prefix, family, _ = KINDS[kind]
-    split = documents if split_name == "documents" else passages
+    split, templates, (low, high), prefix, family, _ = KINDS[kind]
     pool = [p for path in corpus_paths for p in split(path)]
     if not pool:
         what = "document" if split is documents else "paragraph"
