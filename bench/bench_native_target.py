@@ -12,21 +12,24 @@ contender once; medians over --rounds):
               target's threads, each decoder built once) on --prompts chat instructions, --tokens new
               tokens each; its tokens are checked equal to the native greedy tokens of the same
               prompt, timed in the same round; with --prompt-lookup N also with the n-gram lookup
-              proposing before the draft (`speculative_loop(prompt_lookup=N)`).
+              proposing before the draft (`speculative_loop(prompt_lookup=N)`), k tokens a round
+              and, with --lookup-k K, up to K.
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
 verify cost: a 5-token forward (k = 4 drafted tokens) against a 1-token forward at --context
 positions, each rolled back; the samples keep T = 1..5 and 8 with all rows' logits and with none
-(`forward_ms`: "all" and "body", the head's share being the difference).
+(`forward_ms`: "all" and "body", the head's share being the difference; T = 8, the most rows a
+native forward takes, is the verify of 7 prompt-lookup tokens).
   -> bench/results/native_target_cpu.jsonl, benchmark native_target_decode:
      greedy_tokens_per_s/<type>/threads=<t>  native; baseline llama.cpp's greedy at the same
                                              threads (ratio = native / llama.cpp; TARGET >= 1.0)
-     verify_cost/<type>/threads=<t>/T=5      t(5 tokens) / t(1 token) of the native forward
+     verify_cost/<type>/threads=<t>/T=<T>    t(T tokens) / t(1 token) of the native forward, T = 5, 8
      draft_tokens_per_s/<type>/threads=<t>/k=<k>
                                              native+draft, params.draft_dtype; baseline llama.cpp's
                                              greedy (TARGET >= 1.5); .../lookup=<n> with prompt
-                                             lookup (params.prompt_lookup)
+                                             lookup (params.prompt_lookup); .../lookup=<n>/lookup_k=<K>
+                                             its rounds proposing up to K (params.lookup_k)
 Every row holds all samples and the load average: on a shared machine only rows from quiet cores
 are a verdict (--no-record for a smoke run).
 
@@ -115,8 +118,8 @@ def native_greedy(model: NativeForward, tokens: int) -> float:
 
 def native_forward_costs(model: NativeForward, context: int, reps: int) -> dict[str, dict[int, float]]:
     """Median ms of a T-token forward at `context` positions for T = 1..5 and 8 (MAX_ROWS: a batched
-    generation step): "all" with every row's logits (a verify), "body" with none (the blocks alone;
-    the difference is the head's rows)."""
+    generation step, or the verify of 7 prompt-lookup tokens): "all" with every row's logits (a
+    verify), "body" with none (the blocks alone; the difference is the head's rows)."""
     model.reset()
     model.prefill(np.arange(context) % 1000 + 100)
     times: dict[str, dict[int, list[float]]] = {"all": {}, "body": {}}
@@ -154,14 +157,15 @@ def chat_prompts(path: Path, count: int) -> list[list[int]]:
                                                return_dict=True)["input_ids"]) for text in INSTRUCTIONS[:count]]
 
 
-def case_name(dtype: str, k: int, lookup: int | None) -> str:
-    return f"{dtype}_k={k}" + ("" if lookup is None else f"_lookup={lookup}")
+def case_name(dtype: str, k: int, lookup: int | None, lookup_k: int | None = None) -> str:
+    return f"{dtype}_k={k}" + ("" if lookup is None else f"_lookup={lookup}") + \
+        ("" if lookup_k is None else f"_lookup_k={lookup_k}")
 
 
 def native_draft_round(model: NativeForward, decoders: dict[str, object], prompts: list[list[int]], tokens: int,
-                       cases: list[tuple[str, int, int | None]]) -> dict:
+                       cases: list[tuple[str, int, int | None, int | None]]) -> dict:
     """New tokens/s of native greedy and native+draft for each case (decoder weight dtype, k, prompt
-    lookup's n or None) over the prompts; tau; equality."""
+    lookup's n or None, its proposals' length or None for k) over the prompts; tau; equality."""
     import torch
 
     out: dict = {"greedy_s": 0.0, "cases": {c: {"s": 0.0, "accepted": 0, "rounds": 0} for c in cases},
@@ -171,11 +175,11 @@ def native_draft_round(model: NativeForward, decoders: dict[str, object], prompt
         greedy = native_greedy_generate(model, torch.tensor(ids), tokens)
         out["greedy_s"] += time.perf_counter() - start
         out["new_tokens"] += len(greedy)
-        for dtype, k, lookup in cases:
+        for dtype, k, lookup, lookup_k in cases:
             start = time.perf_counter()
             spec = native_speculative_generate(model, decoders[dtype], torch.tensor(ids), tokens, k,
-                                               prompt_lookup=lookup)
-            case = out["cases"][(dtype, k, lookup)]
+                                               prompt_lookup=lookup, lookup_k=lookup_k)
+            case = out["cases"][(dtype, k, lookup, lookup_k)]
             case["s"] += time.perf_counter() - start
             case["accepted"] += sum(spec.accepted_lengths)
             case["rounds"] += spec.rounds
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native draft's weight precisions, each a row (default bf16 int8)")
     parser.add_argument("--prompt-lookup", nargs="+", type=int, default=[], metavar="N",
                         help="also time each draft case with the n-gram lookup of each N proposing first")
+    parser.add_argument("--lookup-k", nargs="+", type=int, default=[], metavar="K",
+                        help="also time each lookup case with its rounds proposing up to each K tokens")
     parser.add_argument("--no-record", action="store_true", help="print only (a smoke run)")
     parser.add_argument("--note", default="", help="conditions to keep in the rows (e.g. background jobs paused)")
     args = parser.parse_args(argv)
@@ -239,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                     decoders[(kind, threads)] = {d: native_draft_decoder(model, draft, d) for d in args.draft_dtypes}
     if any(n < 1 for n in args.prompt_lookup):
         parser.error(f"--prompt-lookup: expected n-gram lengths >= 1, got {args.prompt_lookup}")
-    cases = [(dtype, k, n) for dtype in args.draft_dtypes for k in args.k for n in [None, *args.prompt_lookup]]
+    if any(k < 1 for k in args.lookup_k) or (args.lookup_k and not args.prompt_lookup):
+        parser.error(f"--lookup-k: expected lengths >= 1 with --prompt-lookup, got {args.lookup_k}")
+    cases = [(dtype, k, None, None) for dtype in args.draft_dtypes for k in args.k] + \
+        [(dtype, k, n, lookup_k) for dtype in args.draft_dtypes for k in args.k for n in args.prompt_lookup
+         for lookup_k in [None, *args.lookup_k]]
     build: dict = {}
     for r in range(args.rounds):
         for (kind, threads), model in models.items():
@@ -291,15 +301,21 @@ def main(argv: list[str] | None = None) -> int:
                device=device, baseline=theirs, ratio=ours / theirs, params=params)
         record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=5", cost, "x", device=device,
                baseline=statistics.median(s["t1_ms"]), ratio=cost, params={**params, "context": args.context})
-        for dtype, k, lookup in cases:
-            name = case_name(dtype, k, lookup)
+        # T = 8: the verify of 7 prompt-lookup tokens, the most rows one native forward takes
+        longer = statistics.median(c["all"][8] for c in s["forward_ms"]) / statistics.median(s["t1_ms"])
+        record(RESULTS_FILE, BENCHMARK, f"verify_cost/{kind}/threads={threads}/T=8", longer, "x", device=device,
+               baseline=statistics.median(s["t1_ms"]), ratio=longer, params={**params, "context": args.context})
+        for dtype, k, lookup, lookup_k in cases:
+            name = case_name(dtype, k, lookup, lookup_k)
             value = statistics.median(s[f"draft_{name}"])
             tau = s["tau"][name][0] / s["tau"][name][1]
             record(RESULTS_FILE, BENCHMARK, f"draft_tokens_per_s/{kind}/threads={threads}/k={k}"
-                   + ("" if lookup is None else f"/lookup={lookup}"), value, "tokens/s",
+                   + ("" if lookup is None else f"/lookup={lookup}")
+                   + ("" if lookup_k is None else f"/lookup_k={lookup_k}"), value, "tokens/s",
                    device=device, baseline=theirs, ratio=value / theirs,
                    params={**params, "draft": str(args.draft.name), "draft_dtype": dtype, "k": k, "tau": tau,
                            **({} if lookup is None else {"prompt_lookup": lookup}),
+                           **({} if lookup_k is None else {"lookup_k": lookup_k}),
                            "prompts": len(prompts),
                            "prompt_set": "chat" if args.spec_bench is None else f"spec-bench x{args.spec_bench}",
                            "native_chat_greedy_tokens_per_s": statistics.median(s["chat_greedy"]),

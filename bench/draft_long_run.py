@@ -52,6 +52,7 @@ SPEC_BENCH_TOKENS = 128  # the Spec-Bench continuations' length, which held-out-
 CURVE_SETS = ("held-in", "held-out", "held-out-128", "spec-bench", "held-out-openings")
 KS = (1, 2, 3, 4, 5)
 RECIPE = {"init": "random", "draft_vocab_size": 4096, "ttt_steps": 3, "batch_size": 16, "lr": 3e-3}
+DRAFT_SHAPE = ("intermediate_size", "num_key_value_heads")  # recipe keys that are draft config fields
 
 
 def split(records: list[dict], seed: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
@@ -129,6 +130,18 @@ def keep_steps(steps: int, points: int = 8) -> list[int]:
     return sorted({min(steps, round(first * (steps / first) ** (i / (points - 1)))) for i in range(points)})
 
 
+def continued_cell_name(parent_name: str, suffix: str, limit: int = 200) -> str:
+    """parent_name + suffix; past `limit` characters (a file name may hold 255) the parent's name
+    keeps its first steps and a hash of the whole, so a chain of continuations stays unique."""
+    name = parent_name + suffix
+    if len(name) <= limit:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(parent_name.encode()).hexdigest()[:10]
+    return f"{parent_name[: max(0, limit - len(suffix) - 12)]}~{digest}" + suffix
+
+
 def continued_from(init_from: str, work: Path) -> tuple[Path, int, int, str]:
     """(draft folder, tokens seen, steps, cell name) of what --init-from names: a finished cell of
     `work` (its train summary counts its own parents), or a kept draft folder, whose training.json
@@ -183,6 +196,9 @@ def main() -> None:
                         "cache of the layers only; names the cell <cell>-answers")
     parser.add_argument("--intermediate-size", type=int, default=None, metavar="N",
                         help="the draft's MLP width (default: the target's, EAGLE3's choice); names the cell <cell>-mlp<N>")
+    parser.add_argument("--kv-heads", type=int, default=None, metavar="N",
+                        help="the draft's key-value heads (default: the target's); with --init-from a multiple of "
+                        "the parent's copies them, the same draft to start with; names the cell <cell>-kv<N>")
     parser.add_argument("--conversations", type=int, default=None, metavar="N",
                         help="train on the first N training conversations only; names the cell <cell>-c<N>")
     parser.add_argument("--openings-only", action="store_true",
@@ -221,6 +237,10 @@ def main() -> None:
         if args.intermediate_size < 1:
             raise SystemExit(f"--intermediate-size: expected a positive width, got {args.intermediate_size}")
         recipe["intermediate_size"] = args.intermediate_size
+    if args.kv_heads is not None:
+        if args.kv_heads < 1:
+            raise SystemExit(f"--kv-heads: expected a positive count, got {args.kv_heads}")
+        recipe["num_key_value_heads"] = args.kv_heads
     if not 0 < args.label_temperature < float("inf"):
         raise SystemExit(f"--label-temperature: expected a finite number > 0, got {args.label_temperature}")
     if args.label_temperature != 1.0:
@@ -244,6 +264,7 @@ def main() -> None:
     recipe_tag = ("" if args.lr == RECIPE["lr"] else f"-lr{args.lr:g}") + \
         ("" if args.draft_vocab_size == RECIPE["draft_vocab_size"] else f"-v{args.draft_vocab_size}") + \
         ("" if args.intermediate_size is None else f"-mlp{args.intermediate_size}") + \
+        ("" if args.kv_heads is None else f"-kv{args.kv_heads}") + \
         ("" if args.label_temperature == 1.0 else f"-lt{args.label_temperature:g}") + \
         ("" if args.labels == "target" else f"-{args.labels}") + \
         ("" if args.conversations is None else f"-c{args.conversations}") + \
@@ -256,7 +277,7 @@ def main() -> None:
     parent_tokens = 0
     if args.init_from is not None:
         parent, parent_tokens, parent_steps, parent_name = continued_from(args.init_from, work)
-        cell = work / f"{parent_name}+{args.steps}{recipe_tag}"
+        cell = work / continued_cell_name(parent_name, f"+{args.steps}{recipe_tag}")
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
     records = read_conversations(Path(args.data) / CONVERSATIONS_FILE)
@@ -307,8 +328,8 @@ def main() -> None:
         train_draft(model, tokenizer, layers, samples, out_dir=cell, feature_cache=caches["train"], steps=args.steps,
                     warmup=max(1, args.steps // 50), seq_len=args.max_tokens, seed=args.seed, save_every=25,
                     keep_steps=tuple(kept_steps), init_from=None if args.init_from is None else parent,
-                    draft_config={k: v for k, v in recipe.items() if k == "intermediate_size"},
-                    **{k: v for k, v in recipe.items() if k != "intermediate_size"})
+                    draft_config={k: v for k, v in recipe.items() if k in DRAFT_SHAPE},
+                    **{k: v for k, v in recipe.items() if k not in DRAFT_SHAPE})
         # The data as trained on (the data folder may grow afterwards), and for a continued cell its
         # parent's tokens and steps, which its curve and kept facts count.
         summary = json.loads((cell / SUMMARY_FILE).read_text())

@@ -7,6 +7,13 @@
 // the weighted sum of values, each in an order fixed by the visible keys alone. The exponentials
 // are a vectorized polynomial (~1 ulp). SmolLM2 (9 heads, 3 KV heads, head_dim 64) at 300 keys:
 // ~4 us per head and query row on one Zen 3 core.
+//
+// Without a mask the (head, row) pairs that share a KV head also share its keys and values: one
+// work item takes several pairs and walks the keys in tiles that stay in L1, each pair doing on a
+// tile exactly the steps it does alone (the same dots per key, the values' multiply-adds per column
+// in key order, the sums kept in memory between tiles), so the results are the one-pair results bit
+// for bit. A verify of k+1 rows then reads the cache once per item instead of once per pair: each
+// further row of SmolLM2's forward at 1000 keys cost 2.9 ms on one core before (docs/native-target.md).
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -36,6 +43,10 @@ struct Kernels {
   float (*exp_sum)(float* s, int64_t n, float top);
   void (*weighted)(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd, float inv,
                    float* out);
+  // acc[c] += s[i] * value i [c] for the n contiguous keys, in weighted's order per column (null: the
+  // pairs run one by one); `width` divides the head_dim it takes.
+  void (*weighted_acc)(const float* s, const float* values, int64_t n, int64_t hd, float* acc);
+  int64_t width;
 };
 
 // ---------------------------------------------------------------- scalar fallback
@@ -148,6 +159,30 @@ ELSI_AVX2 void weighted_avx2(const float* s, const float* values, const int64_t*
   }
 }
 
+// weighted_avx2's column blocks (64, then 8) over a tile of keys, its sums carried in acc.
+ELSI_AVX2 void weighted_acc_avx2(const float* s, const float* values, int64_t n, int64_t hd, float* acc_out) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_loadu_ps(acc_out + c0 + 8 * k);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 p = _mm256_set1_ps(s[i]);
+      const float* v = values + i * hd + c0;
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc_out + c0 + 8 * k, acc[k]);
+  }
+  for (; c0 + 8 <= hd; c0 += 8) {
+    __m256 acc = _mm256_loadu_ps(acc_out + c0);
+    for (int64_t i = 0; i < n; ++i)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(values + i * hd + c0), acc);
+    _mm256_storeu_ps(acc_out + c0, acc);
+  }
+}
+
 // ---------------------------------------------------------------- AVX-512
 ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                              float* s) {
@@ -210,14 +245,51 @@ ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int6
   }
 }
 
-const Kernels kScalar{dots_scalar, exp_sum_scalar, weighted_scalar};
-const Kernels kAvx2{dots_avx2, exp_sum_avx2, weighted_avx2};
-const Kernels kAvx512{dots_avx512, exp_sum_avx512, weighted_avx512};
+// weighted_avx512's column blocks (64, then 16) over a tile of keys, its sums carried in acc.
+ELSI_AVX512 void weighted_acc_avx512(const float* s, const float* values, int64_t n, int64_t hd, float* acc_out) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64) {
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[k] = _mm512_loadu_ps(acc_out + c0 + 16 * k);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 p = _mm512_set1_ps(s[i]);
+      const float* v = values + i * hd + c0;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * k), acc[k]);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc_out + c0 + 16 * k, acc[k]);
+  }
+  for (; c0 + 16 <= hd; c0 += 16) {
+    __m512 acc = _mm512_loadu_ps(acc_out + c0);
+    for (int64_t i = 0; i < n; ++i)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_loadu_ps(values + i * hd + c0), acc);
+    _mm512_storeu_ps(acc_out + c0, acc);
+  }
+}
+
+// out = acc * inv, as weighted's last step.
+ELSI_AVX2 void scale_out_avx2(const float* acc, int64_t hd, float inv, float* out) {
+  for (int64_t c = 0; c < hd; c += 8) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), _mm256_set1_ps(inv)));
+}
+
+const Kernels kScalar{dots_scalar, exp_sum_scalar, weighted_scalar, nullptr, 1};
+const Kernels kAvx2{dots_avx2, exp_sum_avx2, weighted_avx2, weighted_acc_avx2, 8};
+const Kernels kAvx512{dots_avx512, exp_sum_avx512, weighted_avx512, weighted_acc_avx512, 16};
 
 struct Call {
   const DecodeAttention* a;
   const Kernels* k;
+  int64_t pairs_per_item;  // of one KV head's (head, row) pairs; 0: one pair per item, one by one
+  int64_t items_per_kv;
 };
+
+// The keys [first, end) row t may see without a mask.
+void row_range(const DecodeAttention& a, int64_t t, int64_t& first, int64_t& end) {
+  end = a.causal ? a.keys - a.rows + t + 1 : a.keys;
+  first = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
+}
 
 void attend(void* ctx, int64_t item) {
   const Call& c = *static_cast<const Call*>(ctx);
@@ -226,12 +298,13 @@ void attend(void* ctx, int64_t item) {
   const int64_t kv = h / (a.heads / a.kv_heads);
   const int64_t kv_offset = kv * (a.kv_head_stride ? a.kv_head_stride : a.keys * hd);
   const bool* mask = a.mask ? a.mask + t * a.keys : nullptr;
-  const int64_t end = !mask && a.causal ? a.keys - a.rows + t + 1 : a.keys;  // keys [0, end) may be seen
+  int64_t first = 0, end = a.keys;  // keys [first, end) may be seen
+  if (!mask) row_range(a, t, first, end);
   thread_local std::vector<int64_t> idx;
   thread_local std::vector<float> s;
-  s.resize((end + 15) / 16 * 16);
-  int64_t n = end;
-  if (mask) {  // the visible keys' indices; a causal row sees 0 .. end-1
+  s.resize((end - first + 15) / 16 * 16);
+  int64_t n = end - first;
+  if (mask) {  // the visible keys' indices
     idx.resize(end);
     n = 0;
     for (int64_t j = 0; j < end; ++j)
@@ -239,23 +312,94 @@ void attend(void* ctx, int64_t item) {
   }
   const int64_t* visible = mask ? idx.data() : nullptr;
   float* out = a.out + (t * a.heads + h) * hd;
-  if (n == 0) {
+  if (n <= 0) {
     std::fill(out, out + hd, 0.f);
     return;
   }
-  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv_offset, visible, n, hd, a.scale,
+  c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, a.k + kv_offset + first * hd, visible, n, hd, a.scale,
             s.data());
   const float top = *std::max_element(s.begin(), s.begin() + n);
   const float denom = c.k->exp_sum(s.data(), n, top);
-  c.k->weighted(s.data(), a.v + kv_offset, visible, n, hd, 1.0f / denom, out);
+  c.k->weighted(s.data(), a.v + kv_offset + first * hd, visible, n, hd, 1.0f / denom, out);
+}
+
+// Keys per tile: about 32 KB of one KV head's keys (or values), so a tile stays in L1 while every
+// pair of the item passes over it.
+int64_t tile_keys(int64_t hd) { return std::max<int64_t>(8, (32 << 10) / (4 * hd)); }
+
+// Item: pairs [p0, p1) of KV head kv's (head, row) pairs, pair p = (head kv * group + p / rows, row
+// p % rows); each as `attend` computes it, over shared tiles (see the top of the file).
+void attend_pairs(void* ctx, int64_t item) {
+  const Call& c = *static_cast<const Call*>(ctx);
+  const DecodeAttention& a = *c.a;
+  const int64_t hd = a.head_dim, group = a.heads / a.kv_heads, pairs = group * a.rows;
+  const int64_t kv = item / c.items_per_kv, p0 = item % c.items_per_kv * c.pairs_per_item;
+  const int64_t p1 = std::min(pairs, p0 + c.pairs_per_item);
+  if (p0 >= p1) return;
+  const int64_t kv_offset = kv * (a.kv_head_stride ? a.kv_head_stride : a.keys * hd);
+  const float* keys = a.k + kv_offset;
+  const float* values = a.v + kv_offset;
+  const int64_t count = p1 - p0;
+  thread_local std::vector<int64_t> first, end, offset;
+  thread_local std::vector<float> s, acc, inv;
+  first.resize(count), end.resize(count), offset.resize(count + 1), inv.resize(count);
+  offset[0] = 0;
+  int64_t lo = a.keys, hi = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    row_range(a, (p0 + i) % a.rows, first[i], end[i]);
+    offset[i + 1] = offset[i] + (std::max<int64_t>(0, end[i] - first[i]) + 15) / 16 * 16;
+    lo = std::min(lo, first[i]), hi = std::max(hi, end[i]);
+  }
+  s.resize(offset[count]);
+  acc.assign(count * hd, 0.f);
+  const int64_t tile = tile_keys(hd);
+  for (int64_t k0 = lo; k0 < hi; k0 += tile)  // scores
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t from = std::max(k0, first[i]), to = std::min(k0 + tile, end[i]);
+      if (from >= to) continue;
+      const int64_t p = p0 + i, h = kv * group + p / a.rows, t = p % a.rows;
+      c.k->dots(a.q + h * a.q_head_stride + t * a.q_row_stride, keys + from * hd, nullptr, to - from, hd, a.scale,
+                s.data() + offset[i] + (from - first[i]));
+    }
+  for (int64_t i = 0; i < count; ++i) {  // softmax weights
+    const int64_t n = end[i] - first[i];
+    if (n <= 0) continue;
+    float* si = s.data() + offset[i];
+    inv[i] = 1.0f / c.k->exp_sum(si, n, *std::max_element(si, si + n));
+  }
+  for (int64_t k0 = lo; k0 < hi; k0 += tile)  // weighted values
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t from = std::max(k0, first[i]), to = std::min(k0 + tile, end[i]);
+      if (from < to)
+        c.k->weighted_acc(s.data() + offset[i] + (from - first[i]), values + from * hd, to - from, hd,
+                          acc.data() + i * hd);
+    }
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = p0 + i, h = kv * group + p / a.rows, t = p % a.rows;
+    float* out = a.out + (t * a.heads + h) * hd;
+    if (end[i] - first[i] <= 0)
+      std::fill(out, out + hd, 0.f);
+    else
+      scale_out_avx2(acc.data() + i * hd, hd, inv[i], out);
+  }
 }
 
 }  // namespace
 
 void decode_attention_cpu(const DecodeAttention& a, int num_threads) {
   const char* isa = cpu_isa();
-  Call call{&a, std::strcmp(isa, "avx512") == 0 ? &kAvx512 : std::strcmp(isa, "avx2") == 0 ? &kAvx2 : &kScalar};
-  run_parallel(num_threads, a.heads * a.rows, attend, &call);
+  Call call{&a, std::strcmp(isa, "avx512") == 0 ? &kAvx512 : std::strcmp(isa, "avx2") == 0 ? &kAvx2 : &kScalar, 0, 0};
+  const int64_t pairs = a.heads / a.kv_heads * a.rows;
+  if (a.mask || call.k->weighted_acc == nullptr || a.head_dim % call.k->width || pairs == 1) {
+    run_parallel(num_threads, a.heads * a.rows, attend, &call);
+    return;
+  }
+  // Items per KV head: enough for every thread (two per thread where the KV heads are few), each
+  // reading the head's cache once.
+  const int64_t threads = std::max(1, num_threads);
+  call.items_per_kv = std::min(pairs, threads == 1 ? 1 : (2 * threads + a.kv_heads - 1) / a.kv_heads);
+  call.pairs_per_item = (pairs + call.items_per_kv - 1) / call.items_per_kv;
+  run_parallel(num_threads, a.kv_heads * call.items_per_kv, attend_pairs, &call);
 }
 
 }  // namespace elsi_fast

@@ -157,13 +157,15 @@ void NativeTarget::attend(int64_t layer, int64_t n, float scale, int64_t window,
   a.head_dim = hd;
   a.scale = scale;
   a.out = att_.data();
-  if (window <= 0 && one_sequence_) return decode_attention_cpu(a, num_threads);
-  // A row's window starts where the row's position says, and rows of other sequences see other
-  // caches, so rows run one by one (a row's result is the same as in a one-token forward).
+  a.window = std::max<int64_t>(0, window);
+  if (one_sequence_) return decode_attention_cpu(a, num_threads);
+  // Rows of other sequences see other caches, so rows run one by one (a row's result is the same
+  // as in a one-token forward).
   for (int64_t t = 0; t < n; ++t) {
     const int64_t position = row_pos_[t], offset = cache_offset(row_seq_[t], layer);
     const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
     DecodeAttention r = a;
+    r.window = 0;
     r.q = q_.data() + t * c.heads * hd;
     r.k = k_cache_.data() + offset + first * hd;
     r.v = v_cache_.data() + offset + first * hd;

@@ -7,7 +7,8 @@
 // Read row by row (the file layout), per input row and block the kernel costs about as much as
 // reading the block (a load, two multiply-adds, a conversion, the scale and an FMA), so a 5-row
 // product cost about 2.3x a 1-row one; Q4_0, Q4_1 and Q8_0 matrices of the forward are therefore
-// packed by 8 rows (pack_rows8, quant_dots_rows8.inc; docs/native-target.md).
+// packed by 8 rows (pack_rows8, quant_dots_rows8.inc; docs/native-target.md), and with AVX-512 two
+// groups share each 512-bit vector, which halves the work of every further input row again.
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -127,19 +128,24 @@ struct Kernels {
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
   const DotsFn* dots8[4];  // [Q4_0, Q4_1, Q8_0, Q5_0] over packed groups of 8 weight rows
+  const DotsFn* dots16[4];  // the same over two adjacent groups at once (null: dots8 only)
 };
 const Kernels kScalar{"scalar", 1,
                       {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>},
                       {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>,
-                       kScalarDots8<GgmlType::kQ5_0>}};
+                       kScalarDots8<GgmlType::kQ5_0>},
+                      {}};
 const Kernels kAvx2{"avx2", kMaxRows,
                     {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>},
                     {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>,
-                     avx2::kDots8<GgmlType::kQ5_0>}};
+                     avx2::kDots8<GgmlType::kQ5_0>},
+                    {}};
 const Kernels kAvx512{"avx512", kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>},
                       {avx512::kDots8<GgmlType::kQ4_0>, avx512::kDots8<GgmlType::kQ4_1>,
-                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>}};
+                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>},
+                      {avx512::kDots16<GgmlType::kQ4_0>, avx512::kDots16<GgmlType::kQ4_1>,
+                       avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>}};
 
 const Kernels& active_kernels() {
   const char* isa = cpu_isa();
@@ -148,11 +154,13 @@ const Kernels& active_kernels() {
   return kScalar;
 }
 
+int rows8_index(GgmlType t) { return t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : t == GgmlType::kQ8_0 ? 2 : 3; }
+
 // The kernel table of a matrix for the active instruction set.
 const DotsFn* dots_for(const Kernels& k, const QuantMatrix& m) {
   const GgmlType t = m.type;
   if (m.rows8)  // packs_rows8 types
-    return k.dots8[t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : t == GgmlType::kQ8_0 ? 2 : 3];
+    return k.dots8[rows8_index(t)];
   switch (t) {
     case GgmlType::kQ4_0: return k.dots[0];
     case GgmlType::kQ4_1: return k.dots[1];
@@ -179,6 +187,7 @@ struct Call {
   const QuantInput* x;
   const Kernels* k;
   std::vector<const DotsFn*> dots;  // per matrix
+  std::vector<const DotsFn*> dots16;  // per matrix: its pairs-of-groups kernel, or null
   std::vector<Chunk> chunks;
 };
 
@@ -189,14 +198,18 @@ void run_chunk(void* ctx, int64_t i) {
   const DotsFn* dots = c.dots[ch.mat];
   const int64_t row_bytes = w.row_bytes(), blocks = w.cols / kQuantBlock, rows = c.x->rows;
   float* y = c.ys[ch.mat];
-  if (w.rows8) {  // chunks start and end on groups of 8 rows
-    float out[kMaxRows * 8];
-    for (int64_t r = ch.row0; r < ch.row1; r += 8)
+  if (w.rows8) {  // chunks start and end on groups of 8 rows; pairs of groups where a kernel takes them
+    float out[kMaxRows * 16];
+    const DotsFn* pairs = c.dots16[ch.mat];
+    for (int64_t r = ch.row0; r < ch.row1;) {
+      const int64_t group = pairs != nullptr && r + 16 <= ch.row1 ? 16 : 8;
       for (int64_t m0 = 0; m0 < rows; m0 += c.k->block) {
         const int b = static_cast<int>(std::min<int64_t>(c.k->block, rows - m0));
-        dots[b](w.data + r * row_bytes, blocks, *c.x, m0, out);
-        for (int m = 0; m < b; ++m) std::copy(out + 8 * m, out + 8 * m + 8, y + (m0 + m) * w.rows + r);
+        (group == 16 ? pairs : dots)[b](w.data + r * row_bytes, blocks, *c.x, m0, out);
+        for (int m = 0; m < b; ++m) std::copy(out + group * m, out + group * (m + 1), y + (m0 + m) * w.rows + r);
       }
+      r += group;
+    }
     return;
   }
   float out[kMaxRows];
@@ -256,13 +269,14 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
 }
 
 void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const QuantInput& x, int num_threads) {
-  Call call{mats, ys, &x, &active_kernels(), {}, {}};
+  Call call{mats, ys, &x, &active_kernels(), {}, {}, {}};
   for (int i = 0; i < n; ++i) {
     call.dots.push_back(dots_for(*call.k, mats[i]));
+    call.dots16.push_back(mats[i].rows8 ? call.k->dots16[rows8_index(mats[i].type)] : nullptr);
     if (mats[i].cols != x.cols)
       throw std::invalid_argument("quant_linear: weight has " + std::to_string(mats[i].cols) + " columns, input " +
                                   std::to_string(x.cols));
-    const int64_t group = mats[i].rows8 ? 8 : 1;
+    const int64_t group = mats[i].rows8 ? 16 : 1;  // whole pairs of packed groups but for the last
     const int64_t step = std::max<int64_t>(1, kChunkBytes / mats[i].row_bytes() / group) * group;
     for (int64_t r = 0; r < mats[i].rows; r += step) call.chunks.push_back({i, r, std::min(mats[i].rows, r + step)});
   }

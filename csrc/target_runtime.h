@@ -40,8 +40,10 @@ void small_linear_cpu(const LinearWeights& w, const float* x, int64_t rows, floa
 // ------------------------------------------------------------------------------------- attention
 // Softmax attention of `rows` new query tokens over a KV cache of `keys` positions (the new ones
 // last), GQA, fp32. Query row t sees key j when mask[t * keys + j] (mask given), else when
-// j <= keys - rows + t (causal, bottom-right aligned as a decode step is), else always. Keys are
-// visited in order and masked ones skipped, so a row's result does not depend on `rows`.
+// j <= keys - rows + t (causal, bottom-right aligned as a decode step is), else always; without a
+// mask, `window` > 0 also hides the keys more than window - 1 before that last one (a sliding
+// window). Keys are visited in order and masked ones skipped, so a row's result does not depend on
+// `rows`.
 struct DecodeAttention {
   const float* q;          // q[h, t, :] at q + h * q_head_stride + t * q_row_stride
   int64_t q_head_stride;
@@ -51,6 +53,7 @@ struct DecodeAttention {
   int64_t kv_head_stride;  // floats between two KV heads of k and v (a cache's capacity); 0: keys * head_dim
   const bool* mask;        // [rows, keys] or null
   bool causal;
+  int64_t window;          // without a mask: a row sees its last `window` keys (0: all it may see)
   int64_t heads;
   int64_t kv_heads;        // heads % kv_heads == 0
   int64_t rows;

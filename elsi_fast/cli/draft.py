@@ -134,6 +134,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "occurrence of the last N tokens of prompt + output) in the rounds where it finds any, the "
                           "draft's in the others; greedy targets copy, which the lookup predicts (default: the draft "
                           "alone; 2 is a good N)")
+    evaluate.add_argument("--lookup-k", type=positive_int, default=None, metavar="K",
+                          help="with --prompt-lookup: the most tokens a lookup round proposes (default: -k); they "
+                          "cost no draft steps and a copied passage is often accepted whole (8 is a good K)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)
@@ -275,6 +278,7 @@ def train_handler(args: argparse.Namespace) -> int:
 def eval_check(args: argparse.Namespace) -> None:
     check_model(args.target, "--target")
     check_device(args.device)
+    check_lookup_args(args)
     if args.target_runtime is not None and args.device not in (None, "cpu"):
         raise UsageError(f"--target-runtime: the target runtime is CPU only, not --device {args.device}")
     if args.json is not None:
@@ -326,7 +330,15 @@ def print_tau_table(taus: dict[str, float], prompts: dict[str, int]) -> None:
 
 
 def lookup_note(args: argparse.Namespace) -> str:
-    return "" if args.prompt_lookup is None else f", prompt lookup n={args.prompt_lookup} before the draft"
+    if args.prompt_lookup is None:
+        return ""
+    proposing = "" if args.lookup_k is None else f", up to {args.lookup_k} tokens"
+    return f", prompt lookup n={args.prompt_lookup}{proposing} before the draft"
+
+
+def check_lookup_args(args: argparse.Namespace) -> None:
+    if args.lookup_k is not None and args.prompt_lookup is None:
+        raise UsageError("--lookup-k: sets how long prompt-lookup proposals are; give --prompt-lookup N too")
 
 
 def eval_handler(args: argparse.Namespace) -> int:
@@ -353,7 +365,8 @@ def eval_handler(args: argparse.Namespace) -> int:
     stops = None if args.ignore_eos else stop_token_ids(model, tokenizer)
     runs = speculative_runs(model, draft, grouped, k=args.k, max_new_tokens=args.max_new_tokens,
                             draft_dtype=args.draft_dtype, draft_backend=args.draft_backend, eos_token_id=stops,
-                            progress=not args.no_progress, state_path=progress_file, prompt_lookup=args.prompt_lookup)
+                            progress=not args.no_progress, state_path=progress_file, prompt_lookup=args.prompt_lookup,
+                            lookup_k=args.lookup_k)
     taus = pooled_tau(runs)
     results = [result for per_prompt in runs.values() for result in per_prompt]
     draft_calls = {key: sum(r.draft_calls.get(key, 0) for r in results) for key in results[0].draft_calls}
@@ -367,6 +380,7 @@ def eval_handler(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": list(draft.config.aux_layer_ids), "k": args.k,
                        "max_new_tokens": args.max_new_tokens, "stop_ids": stops, "prompt_lookup": args.prompt_lookup,
+                       "lookup_k": args.lookup_k,
                        "tau": taus, "draft_backend": backend,
                        "draft_calls": draft_calls, "target_backend": describe_target(model)}, f, indent=1)
     if progress_file is not None:

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --draft: propose what followed the latest earlier occurrence of the last N tokens "
                         "where there is one, the draft's tokens elsewhere (2 is a good N; docs/real-models.md, "
                         "\"Copying\")")
+    parser.add_argument("--lookup-k", type=positive_int, default=None, metavar="K",
+                        help="with --prompt-lookup: the most tokens a lookup round proposes (default: -k; 8 is a "
+                        "good K: they cost no draft steps)")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument("--prompts", help="a file of prompts: one per line, or JSON lines with a \"prompt\" key")
@@ -91,6 +94,8 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("--draft-dtype: needs --draft")
     if args.prompt_lookup is not None and args.draft is None:
         raise UsageError("--prompt-lookup: needs --draft (it proposes in front of the draft)")
+    if args.lookup_k is not None and args.prompt_lookup is None:
+        raise UsageError("--lookup-k: sets how long prompt-lookup proposals are; give --prompt-lookup N too")
     args.prompt_texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
 
 
@@ -131,7 +136,8 @@ def handler(args: argparse.Namespace) -> int:
                                          on_token=stream)
         else:
             result = native_speculative_generate(native, draft, torch.tensor(ids), args.max_new_tokens, args.k,
-                                                 eos_token_id=eos, on_token=stream, prompt_lookup=args.prompt_lookup)
+                                                 eos_token_id=eos, on_token=stream, prompt_lookup=args.prompt_lookup,
+                                                 lookup_k=args.lookup_k)
             out = result.tokens
             totals["accepted"] += sum(result.accepted_lengths)
             totals["rounds"] += result.rounds
@@ -148,7 +154,8 @@ def handler(args: argparse.Namespace) -> int:
     speed = totals["tokens"] / totals["seconds"]
     line = f"{len(prompts)} prompts, {totals['tokens']} new tokens: {speed:.1f} tokens/s ({native.num_threads} threads"
     if draft is not None:
-        lookup = "" if args.prompt_lookup is None else f" behind a {args.prompt_lookup}-gram lookup"
+        lookup = "" if args.prompt_lookup is None else f" behind a {args.prompt_lookup}-gram lookup" + \
+            ("" if args.lookup_k is None else f" of up to {args.lookup_k} tokens")
         line += f", draft k={args.k}{lookup}, tau {(totals['accepted'] + totals['rounds']) / max(totals['rounds'], 1):.3f}"
     print(line + ")")
     print(f"memory: weights {native.weights.weight_bytes() / 2**20:.0f} MiB as mapped from the file, "

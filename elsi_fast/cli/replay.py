@@ -155,7 +155,7 @@ def replay_handler(args: argparse.Namespace) -> int:
     try:
         runs = replay_runs(draft, records, cache, k=args.k, draft_dtype=args.draft_dtype,
                            draft_backend=args.draft_backend, batch_size=16 if batched else None, only=only,
-                           progress=not args.no_progress, prompt_lookup=args.prompt_lookup)
+                           progress=not args.no_progress, prompt_lookup=args.prompt_lookup, lookup_k=args.lookup_k)
     except ValueError as exc:
         text = one_line(exc)
         raise UsageError(f"--states: {text.removeprefix('cache: ')}" if text.startswith("cache:") else text) from None
@@ -171,6 +171,7 @@ def replay_handler(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"draft": args.draft, "layers": layers, "k": args.k, "prompt_lookup": args.prompt_lookup,
+                       "lookup_k": args.lookup_k,
                        "replay": args.replay_folder,
                        "states": args.states, "tau": taus, "draft_backend": backend}, f, indent=1)
     return 0

@@ -30,7 +30,7 @@ import torch
 from .prompt_lookup import lookup_matches
 from .speculative import (
     ReplayTarget, SpecResult, _draft_path, draft_positions_needed, native_decoder_for, speculative_generate,
-    speculative_loop, stop_set,
+    check_lookup, speculative_loop, stop_set,
 )
 from ..training.training_data import Sample
 
@@ -48,6 +48,7 @@ def speculative_runs(
     progress: bool = False,
     state_path: str | os.PathLike | None = None,
     prompt_lookup: int | None = None,
+    lookup_k: int | None = None,
 ) -> dict[str, list[SpecResult]]:
     """`speculative_generate` on every prompt: category -> one `SpecResult` per prompt.
 
@@ -59,8 +60,8 @@ def speculative_runs(
     `speculative_generate`), so int8 weights are quantized once and auto mode warns at most once.
     state_path: a JSON-lines file that gets each prompt's result as soon as it is done; a rerun
     with the same file, target, draft, prompts and settings takes the finished prompts from it
-    and runs only the rest (another setting starts the file over). prompt_lookup: as in
-    `speculative_generate` (the n-gram lookup proposes where it finds tokens).
+    and runs only the rest (another setting starts the file over). prompt_lookup, lookup_k: as in
+    `speculative_generate` (the n-gram lookup proposes up to lookup_k tokens where it finds any).
     """
     from tqdm.auto import tqdm
 
@@ -71,7 +72,7 @@ def speculative_runs(
     runs: dict[str, list[SpecResult]] = {cat: [] for cat in prompts_by_category}
     stops = sorted(stop_set(eos_token_id))
     log = _ResultLog(state_path, _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend,
-                                                   stops, prompt_lookup))
+                                                   stops, prompt_lookup, lookup_k))
     done = log.load()
     longest = max((ids.numel() for _, ids in jobs), default=1)
     decoder = None
@@ -84,10 +85,10 @@ def speculative_runs(
             result = done[index]
         elif decoder is not None:
             result = speculative_generate(target, decoder, ids, max_new_tokens, k, eos_token_id=stops,
-                                          prompt_lookup=prompt_lookup)
+                                          prompt_lookup=prompt_lookup, lookup_k=lookup_k)
         else:
             result = speculative_generate(target, draft, ids, max_new_tokens, k, eos_token_id=stops,
-                                          draft_backend="torch", prompt_lookup=prompt_lookup)
+                                          draft_backend="torch", prompt_lookup=prompt_lookup, lookup_k=lookup_k)
         if index >= len(done):
             log.append(result)
         runs[category].append(result)
@@ -95,12 +96,13 @@ def speculative_runs(
 
 
 def _runs_fingerprint(target, draft, jobs, k, max_new_tokens, draft_dtype, draft_backend, stops,
-                      prompt_lookup=None) -> str:
+                      prompt_lookup=None, lookup_k=None) -> str:
     """What decides the results of speculative_runs: settings, prompts, the draft's weights, and the
     target's config and embeddings (hashing all of a large target's weights would take too long)."""
     digest = hashlib.sha256(json.dumps([k, max_new_tokens, draft_dtype, draft_backend,
                                         [(cat, ids.tolist()) for cat, ids in jobs]] + ([stops] if stops else [])
-                                       + ([{"prompt_lookup": prompt_lookup}] if prompt_lookup else [])).encode())
+                                       + ([{"prompt_lookup": prompt_lookup}] if prompt_lookup else [])
+                                       + ([{"lookup_k": lookup_k}] if lookup_k else [])).encode())
     digest.update(target.config.to_json_string().encode())
     tensors = [*draft.state_dict().values(), target.get_input_embeddings().weight]
     head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
@@ -234,6 +236,7 @@ def replay_runs(
     only: Sequence[int] | None = None,
     progress: bool = False,
     prompt_lookup: int | None = None,
+    lookup_k: int | None = None,
 ) -> dict[str, list[SpecResult]]:
     """The `SpecResult` of every record's prompt, replayed (see the module docstring): category ->
     results in record order. records: greedy `regenerate` records of the evaluation prompts (each
@@ -244,14 +247,15 @@ def replay_runs(
     once (`replay_runs_per_k`; the torch path's numbers), else one prompt at a time on the path
     draft_dtype / draft_backend choose.
     only: replay just the records at these positions (the cache still covers all of them).
-    prompt_lookup: n of the n-gram lookup that proposes where it finds tokens (`speculative_loop`)."""
+    prompt_lookup, lookup_k: the n-gram lookup that proposes up to lookup_k tokens where it finds any
+    (`speculative_loop`)."""
     from tqdm.auto import tqdm
 
     if batch_size is not None:
         if draft_dtype is not None or draft_backend == "native":
             raise ValueError("batch_size: the batched replay runs the torch draft; drop draft_dtype / draft_backend")
         return replay_runs_per_k(draft, records, cache, (k,), batch_size=batch_size, only=only, progress=progress,
-                                 prompt_lookup=prompt_lookup)[k]
+                                 prompt_lookup=prompt_lookup, lookup_k=lookup_k)[k]
     samples = _checked_samples(records, cache)
     layers = list(draft.config.aux_layer_ids)
     longest = max(len(s.ids) for s in samples)
@@ -270,7 +274,7 @@ def replay_runs(
         eos = record["response_ids"][-1] if record.get("stop") == "eos" else None
         path = _draft_path(decoder if decoder is not None else draft, prompt, new, k, None,
                            "auto" if decoder is not None else "torch")
-        result = speculative_loop(runner, path, prompt, new, k, eos, prompt_lookup=prompt_lookup)
+        result = speculative_loop(runner, path, prompt, new, k, eos, prompt_lookup=prompt_lookup, lookup_k=lookup_k)
         runs.setdefault(record.get("category") or "text", []).append(result)
     return runs
 
@@ -285,6 +289,7 @@ def replay_runs_per_k(
     only: Sequence[int] | None = None,
     progress: bool = False,
     prompt_lookup: int | None = None,
+    lookup_k: int | None = None,
 ) -> dict[int, dict[str, list[SpecResult]]]:
     """`replay_runs` at every k of `ks` from one pass of the torch draft: k -> category -> results.
 
@@ -300,13 +305,15 @@ def replay_runs_per_k(
     with each step, which the whole-sequence forward does not: it replays with batch_size=None in
     `replay_runs` when its sequences outgrow the window. prompt_lookup: n; at the chain starts where
     the n-gram lookup proposes (`prompt_lookup.lookup_matches`) its match length replaces the
-    draft's, as `speculative_loop(prompt_lookup=n)` proposes its tokens there."""
+    draft's, as `speculative_loop(prompt_lookup=n)` proposes its tokens there, lookup_k of them
+    (None: k) at every k."""
     from tqdm.auto import tqdm
 
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"ks: expected positive integers, got {ks!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+    check_lookup(prompt_lookup, lookup_k)
     samples = _checked_samples(records, cache)
     window = draft.config.sliding_window
     if window is not None and max(len(s.ids) for s in samples) + max(ks) > window:
@@ -320,12 +327,14 @@ def replay_runs_per_k(
         chunk = usable[start : start + batch_size]
         for i, matches in zip(chunk, chain_matches(draft, [records[i] for i in chunk], samples, chunk, cache, layers,
                                                     max(ks))):
+            found = None
             if prompt_lookup is not None:
                 looked, found = lookup_matches(samples[i].ids.tolist(), len(records[i]["prompt_ids"]) - 1,
-                                               prompt_lookup, max(ks))
+                                               prompt_lookup, max(*ks, lookup_k or 0))
                 matches = [looked[t] if found[t] else m for t, m in enumerate(matches)]
             for k in ks:
-                rounds[k][i] = chain_rounds(matches, records[i], k)
+                caps = None if found is None else [lookup_k or k if f else k for f in found]
+                rounds[k][i] = chain_rounds(matches, records[i], k, caps)
     runs: dict[int, dict[str, list[SpecResult]]] = {}
     for k in ks:
         runs[k] = {}
@@ -364,17 +373,18 @@ def chain_matches(draft, records: list[dict], samples: list[Sample], indices: li
     return [counts[b, : lengths[b]].tolist() for b in range(len(indices))]
 
 
-def chain_rounds(matches: list[int], record: dict, k: int) -> list[int]:
+def chain_rounds(matches: list[int], record: dict, k: int, caps: Sequence[int] | None = None) -> list[int]:
     """Accepted lengths of greedy chain decoding at k along a continuation with match lengths
     `matches` (index t: the chain from pair t), as `speculative.speculative_loop` runs it: a round
-    proposes min(k, budget - emitted - 1) tokens and ends at the stop token."""
+    proposes min(k, budget - emitted - 1) tokens (caps[t] instead of k where given: a prompt-lookup
+    round's lookup_k) and ends at the stop token."""
     response = record["response_ids"]
     budget = len(response)
     if record.get("stop") == "eos":
         budget = response.index(response[-1]) + 1  # the first stop token ends it
     emitted, t, accepted = 1, len(record["prompt_ids"]) - 1, []
     while emitted < budget:
-        n = min(matches[t], k, budget - emitted - 1)
+        n = min(matches[t], k if caps is None else caps[t], budget - emitted - 1)
         accepted.append(n)
         emitted += n + 1
         t += n + 1

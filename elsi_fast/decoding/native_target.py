@@ -127,17 +127,17 @@ def native_speculative_generate(native: NativeForward, draft: "Eagle3Draft | Nat
                                 eos_token_id: int | Sequence[int] | None = None,
                                 draft_dtype: str | None = None, draft_backend: str = "auto",
                                 on_token: Callable[[int], None] | None = None,
-                                prompt_lookup: int | None = None) -> SpecResult:
+                                prompt_lookup: int | None = None, lookup_k: int | None = None) -> SpecResult:
     """Greedy speculative decoding with the target on the native forward; the tokens equal
     `native_greedy_generate`'s. The draft must have been trained for this target (its vocabulary,
     hidden size and layer ids are checked) and carry its embedding (`target_embedding`); pass a
     `native_draft_decoder` to decode several prompts (an `Eagle3Draft` is packed anew per call, its
     steps on the target's thread count). `on_token(id)` sees each id as soon as the round that
-    verified it ends. prompt_lookup: n of the n-gram lookup that proposes in the rounds where it
-    finds tokens (`speculative.speculative_loop`)."""
+    verified it ends. prompt_lookup, lookup_k: the n-gram lookup that proposes up to lookup_k tokens
+    (None: k) in the rounds where it finds any (`speculative.speculative_loop`)."""
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
     _check_draft(native, draft)
     _check_capacity(native, input_ids.shape[1], max_new_tokens, k)
     path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend, threads=native.num_threads)
     return speculative_loop(NativeTargetRunner(native, draft.config.aux_layer_ids), path, input_ids, max_new_tokens,
-                            k, eos_token_id, on_token, prompt_lookup=prompt_lookup)
+                            k, eos_token_id, on_token, prompt_lookup=prompt_lookup, lookup_k=lookup_k)

@@ -1,9 +1,12 @@
 """Prompt lookup: n-gram proposals read from the sequence itself, alone or in front of a draft.
 
-After the tokens x_0 .. x_{c-1}, the proposal is the up to k tokens that followed the latest
-earlier occurrence of their last n tokens (one that starts before c - n), cut at x_{c-1}, and
-nothing when those n tokens have not occurred before. It is the draftless drafting that llama.cpp
-(`--spec-type ngram-*`, `llama-lookup`) and transformers (`prompt_lookup_num_tokens`) ship.
+After the tokens x_0 .. x_{c-1}, the proposal is the k tokens that followed the latest earlier
+occurrence of their last n tokens (one that starts at j < c - n), and nothing when those n tokens
+have not occurred before. Past x_{c-1} the copy reads on into its own proposal, as an LZ77 copy
+does: token i is x_{c+i-d} at the distance d = c - n - j, so a run or a loop of period d (a small
+model repeating a phrase) is proposed k tokens long rather than cut after d. It is the draftless
+drafting that llama.cpp (`--spec-type ngram-*`, `llama-lookup`) and transformers
+(`prompt_lookup_num_tokens`) ship.
 
 Why elsi-fast has it: greedy targets copy from their prompt and repeat themselves, and on those
 tokens the kept EAGLE3 drafts are often wrong where the lookup is right (docs/real-models.md,
@@ -39,13 +42,18 @@ class PromptLookup:
                 self._latest[tuple(self.tokens[start : start + n])] = start
 
     def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens; [] when the last n tokens have not occurred before."""
+        """`k` tokens; [] when the last n tokens have not occurred before."""
         _check_positive("k", k)
         c, n = len(self.tokens), self.n
         if c <= n:
             return []
         start = self._latest.get(tuple(self.tokens[c - n :]))
-        return [] if start is None else self.tokens[start + n : start + n + k]
+        if start is None:
+            return []
+        proposal = self.tokens[start + n : start + n + k]
+        while len(proposal) < k:  # the copy at distance c - n - start reads on into itself
+            proposal.append(proposal[len(proposal) - (c - n - start)])
+        return proposal
 
 
 def lookup_matches(ids: Sequence[int], first: int, n: int, k: int) -> tuple[list[int], list[bool]]:

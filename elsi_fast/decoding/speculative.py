@@ -19,7 +19,9 @@ occurred earlier in prompt + output proposes the tokens that followed them there
 draft's chain (the draft's k - 1 steps do not run; its cache is re-extended as in any round), and
 `SpecResult.draft_calls["lookup_rounds"]` counts those rounds. Greedy targets copy from their prompt
 and repeat themselves, where the lookup is right more often than a draft (docs/real-models.md,
-"Copying").
+"Copying"). A lookup round may propose `lookup_k` tokens, more than the draft's k: they cost no
+draft steps, a copied passage is often accepted whole, and the verify forward of a small target
+on a CPU costs little more for 9 positions than for 5 (docs/native-target.md, "Prompt lookup").
 
 Draft paths. Native (`draft.native.NativeDraftDecoder`, weights in fp32, bf16 or int8): every
 proposal and the re-extension over the 1 .. k+1 accepted positions are fused decode steps (a loop
@@ -97,9 +99,10 @@ class SpecResult:
 
     @property
     def histogram(self) -> list[int]:
-        """counts[a] = number of rounds that accepted exactly a draft tokens, a = 0 .. k."""
+        """counts[a] = number of rounds that accepted exactly a draft tokens, a = 0 .. k (or up to the
+        longest accepted prompt-lookup proposal, which may pass k)."""
         counts = Counter(self.accepted_lengths)
-        return [counts.get(a, 0) for a in range(self.k + 1)]
+        return [counts.get(a, 0) for a in range(max([self.k, *self.accepted_lengths]) + 1)]
 
     def to_dict(self) -> dict:
         return {
@@ -389,6 +392,7 @@ def speculative_generate(
     draft_dtype: str | None = None,
     draft_backend: str = "auto",
     prompt_lookup: int | None = None,
+    lookup_k: int | None = None,
 ) -> SpecResult:
     """Greedy speculative decoding of `target` with an EAGLE3 `draft`, batch 1.
 
@@ -401,14 +405,23 @@ def speculative_generate(
     "torch". Generates exactly `max_new_tokens` tokens, or stops after `eos_token_id` (one id or
     several, e.g. `targets.loading.stop_token_ids`) when given. prompt_lookup: n, to propose the
     n-gram lookup's tokens in the rounds where it finds any (module docstring); None: the draft's only.
-    Returns a `SpecResult` whose tokens equal the target's own greedy decoding.
+    lookup_k: the most tokens a lookup round proposes (None: k). Returns a `SpecResult` whose tokens equal the target's own greedy decoding.
     """
     input_ids = _check_inputs(input_ids, max_new_tokens, k)
     if draft.config.aux_layer_ids is None:
         raise ValueError("draft: its config has no aux_layer_ids, so the target layers it reads are unknown")
     path = _draft_path(draft, input_ids, max_new_tokens, k, draft_dtype, draft_backend)
     return speculative_loop(_TargetRunner(target, draft.config.aux_layer_ids), path, input_ids, max_new_tokens, k,
-                            eos_token_id, prompt_lookup=prompt_lookup)
+                            eos_token_id, prompt_lookup=prompt_lookup, lookup_k=lookup_k)
+
+
+def check_lookup(prompt_lookup: int | None, lookup_k: int | None) -> None:
+    """One line naming the argument when the prompt-lookup settings are not n >= 1 and k >= 1."""
+    for name, value in (("prompt_lookup", prompt_lookup), ("lookup_k", lookup_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected an int >= 1 or None, got {value!r}")
+    if lookup_k is not None and prompt_lookup is None:
+        raise ValueError("lookup_k: sets the length of prompt-lookup proposals; give prompt_lookup too")
 
 
 def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -421,14 +434,14 @@ def stop_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int, k: int,
                      eos_token_id: int | Sequence[int] | None,
                      on_token: Callable[[int], None] | None = None, *,
-                     prompt_lookup: int | None = None) -> SpecResult:
+                     prompt_lookup: int | None = None, lookup_k: int | None = None) -> SpecResult:
     """The rounds of greedy chain speculative decoding (see the module docstring): `runner` is the
     target (`_TargetRunner`, or a `ReplayTarget`), `path` the draft (`_TorchDraftPath` or
     `_NativeDraftPath`). `on_token(id)` sees each emitted id as soon as its round has verified it.
-    prompt_lookup: n of the n-gram lookup whose proposals replace the draft's where it has any."""
-    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
-                                      or prompt_lookup < 1):
-        raise ValueError(f"prompt_lookup: expected the n-gram length (an int >= 1) or None, got {prompt_lookup!r}")
+    prompt_lookup: n of the n-gram lookup whose proposals replace the draft's where it has any;
+    lookup_k: the most tokens such a proposal holds (None: k)."""
+    check_lookup(prompt_lookup, lookup_k)
+    lookup_k = k if lookup_k is None else lookup_k
     stops = stop_set(eos_token_id)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
@@ -452,7 +465,8 @@ def speculative_loop(runner, path, input_ids: torch.Tensor, max_new_tokens: int,
         round_k = min(k, max_new_tokens - len(emitted) - 1)
 
         start = time.perf_counter()
-        proposals = lookup.propose(round_k) if lookup is not None and round_k > 0 else []
+        proposals = lookup.propose(min(lookup_k, max_new_tokens - len(emitted) - 1)) \
+            if lookup is not None and round_k > 0 else []
         lookup_rounds += bool(proposals)
         if round_k > 0 and not proposals:
             proposals.append(proposal)

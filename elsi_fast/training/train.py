@@ -311,13 +311,15 @@ def _read_continued(path: "str | os.PathLike", embed: torch.Tensor) -> Eagle3Dra
 
 def _check_continued(start: Eagle3Draft, path: "str | os.PathLike", config: Eagle3Config) -> None:
     """Refuse `start` unless it has this run's layers and shape (its draft vocabulary may be
-    smaller: `_grown_state` widens it)."""
+    smaller, and its key-value heads fewer when they divide this run's: `_grown_state` widens both)."""
     if list(start.config.aux_layer_ids) != list(config.aux_layer_ids):
         raise ValueError(f"init_from: {path} reads layers {list(start.config.aux_layer_ids)}, "
                          f"this run {list(config.aux_layer_ids)}")
     theirs, ours = start.config.to_dict(), config.to_dict()
     if theirs["draft_vocab_size"] < ours["draft_vocab_size"]:
         theirs["draft_vocab_size"] = ours["draft_vocab_size"]
+    if ours["num_key_value_heads"] % theirs["num_key_value_heads"] == 0:
+        theirs["num_key_value_heads"] = ours["num_key_value_heads"]
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if differ:
         raise ValueError(f"init_from: {path} differs from this run's draft in {', '.join(differ)} "
@@ -327,8 +329,19 @@ def _check_continued(start: Eagle3Draft, path: "str | os.PathLike", config: Eagl
 def _grown_state(start: Eagle3Draft, draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     """`start`'s weights for `draft`, whose draft vocabulary holds `start`'s and maybe more: a kept
     token keeps its head row; a new one starts at a zero row (logit 0, below what a trained head
-    gives the tokens it drafts), so the continued draft first drafts what `start` drafted."""
+    gives the tokens it drafts), so the continued draft first drafts what `start` drafted.
+
+    When `draft` has r times `start`'s key-value heads, each of `start`'s is copied to the r that
+    serve its query heads now (query head h reads key-value head h // (heads / kv heads)), so the
+    continued draft computes what `start` computed, and its query groups can then learn apart
+    (docs/real-models.md, "Copying": Gemma 3's one key-value head did not learn to copy)."""
     state = {k: v for k, v in start.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    widen = draft.config.num_key_value_heads // start.config.num_key_value_heads
+    if widen > 1:
+        head_dim = start.midlayer.self_attn.head_dim
+        for name in ("midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight"):
+            rows = state[name].unflatten(0, (-1, head_dim))  # [kv heads, head_dim, in]
+            state[name] = rows.repeat_interleave(widen, dim=0).flatten(0, 1)
     n = start.config.draft_vocab_size
     old_ids = start.draft_to_target(torch.arange(n))
     new_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))

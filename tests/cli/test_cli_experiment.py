@@ -98,6 +98,18 @@ def test_replayed_tau_equals_live_tau_without_a_target_forward(setup, monkeypatc
             model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
             draft_backend="torch", prompt_lookup=1))
     assert written["tau"] == pytest.approx(pooled_tau(live)) and written["tau"] != first
+    # and with lookup rounds longer than the draft's k
+    assert main([*base, "--prompt-lookup", "1", "--lookup-k", "7"]) == 0
+    written = json.loads(out.read_text())
+    assert written["lookup_k"] == 7 and "prompt lookup n=1, up to 7 tokens before the draft" in capsys.readouterr().out
+    live = {}
+    for record in read_conversations(answers / "conversations.jsonl"):
+        eos = record["response_ids"][-1] if record["stop"] == "eos" else None
+        live.setdefault(record["category"], []).append(speculative_generate(
+            model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
+            draft_backend="torch", prompt_lookup=1, lookup_k=7))
+    assert written["tau"] == pytest.approx(pooled_tau(live))
+    _fails([*base, "--lookup-k", "7"], capsys, "--lookup-k: sets how long prompt-lookup proposals are")
 
 
 def _fails(args, capsys, match):

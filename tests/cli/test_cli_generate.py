@@ -49,6 +49,11 @@ def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
                  "--prompt-lookup", "2", "--max-new-tokens", "24", "--compare-greedy", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "draft k=3 behind a 2-gram lookup, tau " in out and "outputs equal on 2 of 2 prompts" in out
+    assert main(["generate", "--target", smollm2, "--draft", KEPT_DRAFT, "--prompts", str(prompts), "-k", "3",
+                 "--prompt-lookup", "2", "--lookup-k", "8", "--max-new-tokens", "24", "--compare-greedy",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "draft k=3 behind a 2-gram lookup of up to 8 tokens, tau " in out and "outputs equal on 2 of 2 prompts" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -57,6 +62,7 @@ def test_greedy_then_draft_equal_to_greedy(smollm2, tmp_path, capsys):
     (["--prompt", "x", "--draft-dtype", "int8"], "--draft-dtype: needs --draft"),
     (["--prompt", "x", "--prompt-lookup", "2"], "--prompt-lookup: needs --draft"),
     (["--prompt", "x", "--prompt-lookup", "0"], "--prompt-lookup"),
+    (["--prompt", "x", "--lookup-k", "8"], "--lookup-k: sets how long prompt-lookup"),
     (["--prompt", "x", "--draft", "/no/such/folder"], "--draft: /no/such/folder has no config.json"),
 ])
 def test_bad_input_is_one_line_and_exit_2(smollm2, argv, message, capsys):

@@ -50,9 +50,9 @@ def test_eval_progress_file_cut_by_a_crash_starts_over_or_keeps_whole_lines(tmp_
     assert evaluation._ResultLog(log_path, "other").load() == []  # other settings: start over
 
 
-@pytest.mark.parametrize("prompt_lookup", [None, 1, 3])
+@pytest.mark.parametrize("prompt_lookup, lookup_k", [(None, None), (1, None), (3, None), (1, 8)])
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend, prompt_lookup):
+def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend, prompt_lookup, lookup_k):
     """tau replayed from the target's greedy continuation (no target forward) gives the accepted
     lengths of speculative_generate, round by round, prompt by prompt, with prompt lookup too."""
     from elsi_fast.draft import native
@@ -63,7 +63,7 @@ def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend, 
     looked = 0
     for k in (1, 3, 5):
         replayed = evaluation.replay_runs(draft, records, cache, k=k, draft_backend=backend,
-                                          prompt_lookup=prompt_lookup)
+                                          prompt_lookup=prompt_lookup, lookup_k=lookup_k)
         rounds = 0
         for category, results in replayed.items():
             live_records = [r for r in records if r["category"] == category]
@@ -71,7 +71,7 @@ def test_replayed_rounds_equal_live_speculative_decoding(replay_setup, backend, 
                 eos = record["response_ids"][-1] if record["stop"] == "eos" else None
                 live = speculative_generate(TARGET, draft, torch.tensor(record["prompt_ids"]),
                                             len(record["response_ids"]), k, eos_token_id=eos, draft_backend=backend,
-                                            prompt_lookup=prompt_lookup)
+                                            prompt_lookup=prompt_lookup, lookup_k=lookup_k)
                 assert result.accepted_lengths == live.accepted_lengths, (k, record["id"])
                 assert result.tokens.tolist() == live.tokens.tolist() == record["response_ids"]
                 assert ("lookup_rounds" in live.draft_calls) == (prompt_lookup is not None)
@@ -89,12 +89,14 @@ def test_chain_replay_with_prompt_lookup_equals_the_one_prompt_replay(replay_set
     the accepted lengths of the one-prompt replay (itself equal to live decoding, above)."""
     draft, records, cache = replay_setup
     ks = (1, 3, 5)
-    for n in (1, 2):
-        every_k = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=4, prompt_lookup=n)
+    for n, lookup_k in ((1, None), (2, None), (1, 8)):
+        every_k = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=4, prompt_lookup=n,
+                                               lookup_k=lookup_k)
         for k in ks:
-            one = evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch", prompt_lookup=n)
+            one = evaluation.replay_runs(draft, records, cache, k=k, draft_backend="torch", prompt_lookup=n,
+                                         lookup_k=lookup_k)
             assert {c: [r.accepted_lengths for r in rs] for c, rs in every_k[k].items()} == \
-                {c: [r.accepted_lengths for r in rs] for c, rs in one.items()}, (n, k)
+                {c: [r.accepted_lengths for r in rs] for c, rs in one.items()}, (n, lookup_k, k)
         plain = evaluation.replay_runs_per_k(draft, records, cache, ks, batch_size=4)
         assert any(a.accepted_lengths != b.accepted_lengths for c in plain[5] for a, b in zip(plain[5][c], every_k[5][c]))
 

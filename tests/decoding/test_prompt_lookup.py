@@ -6,12 +6,16 @@ from elsi_fast.decoding.prompt_lookup import PromptLookup, lookup_matches
 
 
 def reference_proposal(context, n, k):
-    """Brute force: search the context backwards for an earlier occurrence of its last n tokens."""
+    """Brute force: search the context backwards for an earlier occurrence of its last n tokens,
+    then copy what followed it token by token, the copied tokens included (LZ77)."""
     if len(context) <= n:
         return []
     for j in reversed(range(len(context) - n)):
         if context[j : j + n] == context[-n:]:
-            return context[j + n : j + n + k]
+            sequence = list(context)
+            for i in range(k):
+                sequence.append(sequence[j + n + i])
+            return sequence[len(context) :]
     return []
 
 
@@ -32,7 +36,8 @@ def test_proposal_known_answers():
     assert PromptLookup(2, [1, 2, 9, 1, 2, 4, 1, 2]).propose(1) == [4]  # the latest occurrence wins
     assert PromptLookup(2, [3, 4]).propose(2) == []  # the last n-gram itself is no occurrence
     assert PromptLookup(2, [1, 2, 3]).propose(4) == []
-    assert PromptLookup(1, [7, 7, 7]).propose(5) == [7]  # cut at the sequence's end
+    assert PromptLookup(1, [7, 7, 7]).propose(5) == [7] * 5  # a run goes on past the sequence's end
+    assert PromptLookup(2, [5, 6, 7, 8, 5, 6]).propose(7) == [7, 8, 5, 6, 7, 8, 5]  # so does a loop
 
 
 def test_extend_equals_building_at_once():

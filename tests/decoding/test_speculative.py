@@ -194,28 +194,46 @@ def test_random_draft_output_equals_greedy(name, k, prompt, draft_dtype, draft_b
         assert result.draft_backend == f"torch eager float32: {result.rounds} extends, {fed_back} steps"
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n, lookup_k", [(1, None), (2, None), (2, 9)])
 @pytest.mark.parametrize("draft_backend", ["torch", pytest.param("native", marks=requires_native)])
-def test_prompt_lookup_proposes_in_the_rounds_whose_ngram_recurs(n, draft_backend):
+def test_prompt_lookup_proposes_in_the_rounds_whose_ngram_recurs(n, lookup_k, draft_backend):
     """The output is still greedy; a round is the lookup's exactly when its context's last n tokens
-    occurred before (brute force over the emitted tokens, round by round)."""
+    occurred before, and then it accepts as many tokens as the brute-force proposal (the lookup_k or
+    k tokens that followed their latest earlier occurrence) shares with the output, round by round."""
     target = TARGETS[sorted(TARGETS)[0]]
     draft = random_draft(target, [1], seed=7)
     prompt = [3, 9, 4, 3, 9, 4, 3, 9, 1, 2, 3, 9]  # repeats, so the lookup has something to find
-    result = speculative_generate(target, draft, torch.tensor(prompt), 24, 4, prompt_lookup=n,
+    k, new = 4, 40
+    result = speculative_generate(target, draft, torch.tensor(prompt), new, k, prompt_lookup=n, lookup_k=lookup_k,
                                   draft_backend=draft_backend)
     tokens = result.tokens.tolist()
-    assert tokens == greedy_reference(target, torch.tensor(prompt), 24)
+    assert tokens == greedy_reference(target, torch.tensor(prompt), new)
     expected, emitted = 0, 1
     for accepted in result.accepted_lengths:
         context = prompt + tokens[:emitted]
-        round_k = min(4, 24 - emitted - 1)  # a last round with one token left proposes nothing
-        expected += round_k > 0 and any(context[j : j + n] == context[-n:] for j in range(len(context) - n))
+        if min(k, new - emitted - 1) > 0:  # a last round with one token left proposes nothing
+            starts = [j for j in range(len(context) - n) if context[j : j + n] == context[-n:]]
+            if starts:
+                expected += 1
+                copied = list(context)  # what followed, read on into the copy itself (LZ77)
+                for i in range(min(lookup_k or k, new - emitted - 1)):
+                    copied.append(copied[starts[-1] + n + i])
+                proposal = copied[len(context) :]
+                matched = next((i for i, (a, b) in enumerate(zip(proposal, tokens[emitted:])) if a != b),
+                               min(len(proposal), len(tokens) - emitted))
+                assert accepted == matched
         emitted += accepted + 1
     assert result.draft_calls["lookup_rounds"] == expected > 0
+    assert max(result.accepted_lengths) <= (lookup_k or k) and sum(result.histogram) == result.rounds
+    if lookup_k is not None:
+        assert max(result.accepted_lengths) > k  # a copied run longer than the draft's chain, accepted in one round
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="^prompt_lookup: expected the n-gram length"):
+        with pytest.raises(ValueError, match="^prompt_lookup: expected an int >= 1 or None"):
             speculative_generate(target, draft, torch.tensor(prompt), 4, 2, prompt_lookup=bad)
+        with pytest.raises(ValueError, match="^lookup_k: expected an int >= 1 or None"):
+            speculative_generate(target, draft, torch.tensor(prompt), 4, 2, prompt_lookup=2, lookup_k=bad)
+    with pytest.raises(ValueError, match="^lookup_k: sets the length of prompt-lookup proposals; give prompt_lookup"):
+        speculative_generate(target, draft, torch.tensor(prompt), 4, 2, lookup_k=8)
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS))

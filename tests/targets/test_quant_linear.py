@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(_C is None, reason="native extension not built")
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8}
 # (rows, cols): one block, odd row counts, a row wider than a chunk's share of rows; and row counts
-# of whole groups of 8, which the forward's layout packs (pack_rows8; packed=True leaves the others).
-SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536), (8, 32), (64, 608), (304, 1536)]
+# of whole groups of 8, which the forward's layout packs (pack_rows8; packed=True leaves the others; 24: a pair of
+# groups for the 512-bit kernel and a group alone).
+SHAPES = [(1, 32), (7, 96), (45, 608), (301, 1536), (8, 32), (24, 96), (64, 608), (304, 1536)]
 
 
 def make_matrix(rows: int, cols: int, name: str, seed: int) -> tuple[tuple, np.ndarray]:
@@ -95,8 +96,9 @@ def test_rows_are_bitwise_independent(name, rows, packed, cpu_isa):
 @pytest.mark.parametrize("name", TYPES)
 def test_packed_products_are_the_same_on_every_instruction_set(name):
     """The packed kernels' integer block sums are exact and their fp32 steps the same on each path
-    (csrc/quant_dots_rows8.inc), so every path this CPU has gives the scalar path's bits."""
-    matrix, _ = make_matrix(64, 608, name, seed=7)
+    (csrc/quant_dots_rows8.inc), so every path this CPU has gives the scalar path's bits; 72 rows
+    are 4 pairs of groups (AVX-512's 512-bit kernel) and a last group alone."""
+    matrix, _ = make_matrix(72, 608, name, seed=7)
     x = np.random.default_rng(8).standard_normal((5, 608)).astype(np.float32)
     x[2] *= 50  # large inputs: the extreme codes (|q| = 127) in every block
     results = packed_on_every_isa(matrix, x, threads=2)
@@ -106,8 +108,9 @@ def test_packed_products_are_the_same_on_every_instruction_set(name):
 
 def test_packing_keeps_extreme_q8_codes():
     """Q8_0 codes -128 and 127 (a file may hold -128 though gguf never writes it): the VNNI path's
-    offset (w + 128) and the AVX2 path's |w| <= 128 both keep the block sums exact."""
-    rows, cols = 8, 64
+    offset (w + 128) and the AVX2 path's |w| <= 128 both keep the block sums exact (24 rows: a pair
+    of groups and a group alone)."""
+    rows, cols = 24, 64
     blocks = np.zeros((rows, cols // 32, 34), np.uint8)
     blocks[..., :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
     codes = np.random.default_rng(9).choice(np.array([-128, 127, -1, 0], np.int8), (rows, cols // 32, 32))
@@ -121,8 +124,9 @@ def test_packing_keeps_extreme_q8_codes():
 
 def test_packing_keeps_extreme_q5_codes():
     """Q5_0 codes 31 and 0 (values 15 and -16) against inputs of +-127 in every column: the AVX2
-    path's int16 chains (4 pairs of 2 x 31 x 127 each) and the fifth bits of every column."""
-    rows, cols = 8, 64
+    path's int16 chains (4 pairs of 2 x 31 x 127 each) and the fifth bits of every column (24 rows:
+    a pair of groups and a group alone)."""
+    rows, cols = 24, 64
     rng = np.random.default_rng(10)
     codes = rng.choice(np.array([0, 31, 15, 16], np.uint8), (rows, cols // 32, 32))
     codes[0] = 31  # a row of only the largest code

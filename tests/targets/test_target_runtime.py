@@ -109,10 +109,14 @@ def reference_attention(q, k, v, visible, scale):
     return out
 
 
+@pytest.mark.parametrize("hd, keys", [(40, 37), (64, 300)], ids=["hd40", "hd64-tiles"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
-def test_attention_matches_float64_and_rows_are_independent(masked, cpu_isa):
+def test_attention_matches_float64_and_rows_are_independent(masked, hd, keys, cpu_isa):
+    """Without a mask and with a vector-wide head_dim the pairs of a KV head share key tiles (300 keys
+    are three tiles of head_dim 64, csrc/decode_attention_cpu.cpp); every row is still its own
+    one-row result, bit for bit, on 1 or 2 threads."""
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, hd, keys = 6, 2, 40, 37
+    heads, kv_heads = 6, 2
     k = torch.randn(1, kv_heads, keys, hd, generator=gen)
     v = torch.randn(1, kv_heads, keys, hd, generator=gen)
     for rows in (1, 3, rt.MAX_ROWS):
@@ -124,6 +128,7 @@ def test_attention_matches_float64_and_rows_are_independent(masked, cpu_isa):
         out = torch.ops.elsi_fast.decode_attention.default(q, k, v, mask, hd ** -0.5, True, 2)
         ref = reference_attention(q, k, v, visible, hd ** -0.5)
         assert float((out.double() - ref).abs().max()) < 1e-5
+        assert torch.equal(out, torch.ops.elsi_fast.decode_attention.default(q, k, v, mask, hd ** -0.5, True, 1))
         for t in range(rows):  # the same row alone, over the keys it sees: bit for bit
             end = keys - rows + t + 1
             alone = torch.ops.elsi_fast.decode_attention.default(

@@ -372,6 +372,30 @@ def test_init_from_continues_a_kept_draft_with_its_weights_and_vocabulary(sample
         train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad3", init_from=tmp_path / "none", **args)
 
 
+def test_init_from_widens_the_key_value_heads_without_changing_the_draft(samples, tmp_path):
+    """More key-value heads from a kept draft: each kept head is copied to the query group it
+    served, so the widened draft's logits equal the kept one's; then the groups train apart."""
+    first = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "first", **CONVERSATION_ARGS).draft
+    widened_config = {**CONVERSATION_ARGS["draft_config"], "num_key_value_heads": 2}
+    args = {**CONVERSATION_ARGS, "draft_config": widened_config, "steps": 1}
+    wide = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "wide", init_from=tmp_path / "first",
+                       **{**args, "lr": 1e-30}).draft
+    assert (first.config.num_key_value_heads, wide.config.num_key_value_heads) == (1, 2)
+    generator = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 7, first.config.fc_in_features, generator=generator)
+    ids = torch.randint(0, TARGET.config.vocab_size, (2, 7), generator=generator)
+    with torch.no_grad():
+        want, got = first.extend(aux, ids)[0], wide.extend(aux, ids)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    trained = train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "trained", init_from=tmp_path / "first",
+                          **{**args, "steps": 3}).draft
+    k = trained.midlayer.self_attn.k_proj.weight.detach().unflatten(0, (2, -1))
+    assert not torch.equal(k[0], k[1])
+    with pytest.raises(ValueError, match="init_from: .* differs from this run's draft in num_key_value_heads"):
+        train_draft(TARGET, TOKENIZER, [2], samples, out_dir=tmp_path / "bad", init_from=tmp_path / "wide",
+                    **{**args, "draft_config": CONVERSATION_ARGS["draft_config"]})
+
+
 def test_grown_vocabulary_keeps_the_drafts_tokens_then_the_most_frequent_ones():
     kept, data = torch.tensor([5, 9]), torch.tensor([1, 1, 1, 2, 2, 9, 7])
     assert grown_draft_vocab_ids(kept, data, 12, 2).tolist() == [5, 9]
