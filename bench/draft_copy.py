@@ -15,6 +15,8 @@ leading matches L_draft(t) and the lookup's L_lookup(t), and reports at k:
                                            rounds as `replay_runs_per_k(prompt_lookup=n)`)
   tau_k<k>/either                          max(L_draft, L_lookup): a ceiling for any rule that
                                            picks one of the two per round
+  tau_k<k>/lookup_then_draft_up_to_<K>     with --lookup-k K: the lookup's rounds propose up to K
+                                           tokens (`eval-draft --prompt-lookup n --lookup-k K`)
   first_token_acc/draft, first_token_acc/prompt_lookup, first_token_acc/draft_where_lookup_right:
                                            the share of chain starts whose first proposal is the
                                            target's token, and the draft's share where the
@@ -52,7 +54,8 @@ def pooled(rounds_by_category: dict[str, list[list[int]]]) -> dict[str, float]:
     return out
 
 
-def set_rows(draft, rows: list[dict], cache, layers: list[int], n: int, k: int) -> dict[str, dict[str, float]]:
+def set_rows(draft, rows: list[dict], cache, layers: list[int], n: int, k: int,
+             lookup_k: int | None = None) -> dict[str, dict[str, float]]:
     """metric -> category -> value for one evaluation set (see the module docstring)."""
     import torch
 
@@ -61,7 +64,8 @@ def set_rows(draft, rows: list[dict], cache, layers: list[int], n: int, k: int) 
 
     samples = continuation_samples(rows)
     order = sorted((i for i in range(len(rows)) if len(rows[i]["response_ids"]) >= 2), key=lambda i: len(samples[i].ids))
-    rounds = {name: {} for name in ("draft", "prompt_lookup", "lookup_then_draft", "either")}
+    longer = () if lookup_k is None else (f"lookup_then_draft_up_to_{lookup_k}",)
+    rounds = {name: {} for name in ("draft", "prompt_lookup", "lookup_then_draft", "either", *longer)}
     firsts = {}  # category -> [starts, draft right, lookup right, both right]
     with torch.inference_mode():
         for start in range(0, len(order), 16):
@@ -69,7 +73,13 @@ def set_rows(draft, rows: list[dict], cache, layers: list[int], n: int, k: int) 
             for i, by_draft in zip(chunk, chain_matches(draft, [rows[i] for i in chunk], samples, chunk, cache, layers, k)):
                 record_, ids = rows[i], samples[i].ids.tolist()
                 first = len(record_["prompt_ids"]) - 1
-                by_lookup, found = lookup_matches(ids, first, n, k)
+                by_lookup, found = lookup_matches(ids, first, n, max(k, lookup_k or 0))
+                if longer:
+                    combined = [b if f else a for a, b, f in zip(by_draft, by_lookup, found)]
+                    caps = [lookup_k if f else k for f in found]
+                    rounds[longer[0]].setdefault(record_.get("category") or "text", []).append(
+                        chain_rounds(combined, record_, k, caps))
+                by_lookup = [min(b, k) for b in by_lookup]  # the k-token lookup of the other columns
                 either = [max(a, b) for a, b in zip(by_draft, by_lookup)]
                 combined = [b if f else a for a, b, f in zip(by_draft, by_lookup, found)]
                 category = record_.get("category") or "text"
@@ -145,11 +155,13 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=["spec-bench"], choices=("spec-bench", "held-out"))
     parser.add_argument("--n", type=int, default=3, help="prompt lookup's n-gram length")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--lookup-k", type=int, default=None, metavar="K",
+                        help="also the lookup's rounds proposing up to K tokens, the draft's k")
     parser.add_argument("--passages", type=int, default=16, help="repeated passages (0: none)")
     parser.add_argument("--passage-tokens", type=int, default=96)
     parser.add_argument("--note", default="", help="conditions to record in the rows")
     args = parser.parse_args()
-    for name in ("n", "k", "passage_tokens"):
+    for name in ("n", "k", "passage_tokens", *(("lookup_k",) if args.lookup_k is not None else ())):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
     if args.passages < 0:
@@ -185,11 +197,12 @@ def main() -> None:
         layers = list(draft.config.aux_layer_ids)
         common = {"model": args.model, "draft": str(Path(folder).resolve().relative_to(ROOT)) if Path(folder).resolve()
                   .is_relative_to(ROOT) else folder, "layers": layers, "tokens_seen": facts.get("tokens_seen"),
-                  "n": args.n, "k": args.k, "note": args.note}
+                  "n": args.n, "k": args.k, "note": args.note,
+                  **({} if args.lookup_k is None else {"lookup_k": args.lookup_k})}
         for name, rows in sets.items():
             cache = build(model, continuation_samples(rows), layers, work / f"cache-{name}-{'-'.join(map(str, layers))}",
                           dtype="bfloat16", progress=False)
-            for metric, by_category in set_rows(draft, rows, cache, layers, args.n, args.k).items():
+            for metric, by_category in set_rows(draft, rows, cache, layers, args.n, args.k, args.lookup_k).items():
                 unit = "tokens/forward" if metric.startswith("tau") else "fraction"
                 record(RESULTS, "draft_copy", metric, by_category["all"], unit, device=device,
                        params={**common, "set": name, "prompts": len(rows), "per_category": by_category})

@@ -636,25 +636,41 @@ NATIVE_LOOKUP = Source("native_target_cpu.jsonl", "native_target_decode", {"prom
 
 def native_lookup(results: Results) -> list[str]:
     """Reads draft_tokens_per_s with and without prompt lookup (`bench_native_target --spec-bench 1
-    --prompt-lookup n`): per target, threads and k, new tokens/s and tau, against native greedy on
-    the same prompts in the same rounds and llama.cpp's greedy."""
+    --prompt-lookup n [--lookup-k K]`), each target's latest run (commit): per threads and k, new
+    tokens/s and tau alone, with the lookup proposing k tokens and, where the run has them, up to K,
+    against native greedy on the same prompts in the same rounds and llama.cpp's greedy."""
     rows = [r for r in results.rows(NATIVE_LOOKUP.file) if _matches(r, {"benchmark": NATIVE_LOOKUP.benchmark,
                                                                           **NATIVE_LOOKUP.where})]
+    lookup_rows = [r for r in rows if r["params"].get("prompt_lookup")]
+    latest = {}
+    for r in sorted(lookup_rows, key=lambda r: (r["date"], r["_line"])):
+        latest[r["params"]["model"]] = r["commit"]
     cases = sorted({(r["params"]["model"], r["params"]["type"], r["params"]["threads"], r["params"]["k"],
-                     r["params"].get("prompt_lookup")) for r in rows if r["params"].get("prompt_lookup")})
+                     r["params"]["prompt_lookup"]) for r in lookup_rows if r["commit"] == latest[r["params"]["model"]]})
+    longer = {(r["params"]["model"], r["params"]["threads"], r["params"]["k"], r["params"]["prompt_lookup"]):
+              r["params"]["lookup_k"] for r in lookup_rows
+              if r["commit"] == latest[r["params"]["model"]] and r["params"].get("lookup_k")}
+
+    def cell(row: Row, greedy: float) -> str:
+        return f"{row['value']:.1f} ({x(row['value'] / greedy)}, tau {row['params']['tau']:.2f})"
+
     body = []
     for model, kind, threads, k, n in cases:
         metric = f"draft_tokens_per_s/{kind}/threads={threads}/k={k}"
-        alone = NATIVE_LOOKUP.pick(results, metric, model=model, k=k, prompt_lookup=None)
-        both = NATIVE_LOOKUP.pick(results, f"{metric}/lookup={n}", model=model, k=k, prompt_lookup=n)
+        commit = latest[model]
+        alone = NATIVE_LOOKUP.pick(results, metric, model=model, k=k, prompt_lookup=None, commit=commit)
+        both = NATIVE_LOOKUP.pick(results, f"{metric}/lookup={n}", model=model, k=k, prompt_lookup=n, commit=commit)
         greedy = both["params"]["native_chat_greedy_tokens_per_s"]
         amx = "" if both["params"].get("llamacpp_amx") is not False else " (built without AMX)"
-        body.append([model, machine(both["device"]), kind, str(threads), str(k), f"{greedy:.1f}",
-                     f"{alone['value']:.1f} ({x(alone['value'] / greedy)}, tau {alone['params']['tau']:.2f})",
-                     f"{both['value']:.1f} ({x(both['value'] / greedy)}, tau {both['params']['tau']:.2f})",
-                     f"{both['baseline']:.1f}{amx}"])
+        lk = longer.get((model, threads, k, n))
+        far = "–" if lk is None else f"{lk}: " + cell(NATIVE_LOOKUP.pick(
+            results, f"{metric}/lookup={n}/lookup_k={lk}", model=model, k=k, prompt_lookup=n, lookup_k=lk,
+            commit=commit), greedy)
+        body.append([model, machine(both["device"]), kind, str(threads), str(k), f"{greedy:.1f}", cell(alone, greedy),
+                     cell(both, greedy), far, f"{both['baseline']:.1f}{amx}"])
     return markdown(["target", "CPU", "file", "threads", "k", "native greedy (tokens/s)", "with the kept draft",
-                     "with the draft and the n-gram lookup", "llama.cpp greedy (tg)"], body)
+                     "with the draft and the n-gram lookup (k tokens)", "lookup proposing up to K tokens: K, tokens/s",
+                     "llama.cpp greedy (tg)"], body)
 
 
 # bench/results/README.md's index of the files: what writes each and whether its rows are current; the

@@ -18,11 +18,13 @@ def test_pooled_is_pooled_tau():
 def test_draft_and_combined_tau_equal_the_replay(replay_setup, n):
     draft, records, cache = replay_setup
     k = 3
-    rows = set_rows(draft, records, cache, list(draft.config.aux_layer_ids), n, k)
+    rows = set_rows(draft, records, cache, list(draft.config.aux_layer_ids), n, k, lookup_k=7)
     alone = evaluation.pooled_tau(evaluation.replay_runs_per_k(draft, records, cache, (k,))[k])
     combined = evaluation.pooled_tau(evaluation.replay_runs_per_k(draft, records, cache, (k,), prompt_lookup=n)[k])
     assert rows[f"tau_k{k}/draft"] == pytest.approx(alone)
     assert rows[f"tau_k{k}/lookup_then_draft"] == pytest.approx(combined)
+    longer = evaluation.replay_runs_per_k(draft, records, cache, (k,), prompt_lookup=n, lookup_k=7)[k]
+    assert rows[f"tau_k{k}/lookup_then_draft_up_to_7"] == pytest.approx(evaluation.pooled_tau(longer))
     for category, either in rows[f"tau_k{k}/either"].items():
         assert either >= max(rows[f"tau_k{k}/draft"][category], rows[f"tau_k{k}/prompt_lookup"][category]) - 1e-12
     for name in ("draft", "prompt_lookup", "draft_where_lookup_right"):

@@ -136,7 +136,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "alone; 2 is a good N)")
     evaluate.add_argument("--lookup-k", type=positive_int, default=None, metavar="K",
                           help="with --prompt-lookup: the most tokens a lookup round proposes (default: -k); they "
-                          "cost no draft steps and a copied passage is often accepted whole (8 is a good K)")
+                          "cost no draft steps and a copied passage is often accepted whole (7 is a good K: 7 + 1 "
+                          "rows are one native forward)")
     evaluate.add_argument("--json", default=None, help="also write the result to this JSON file")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(func=eval_handler, check=eval_check, interrupted=eval_interrupted)

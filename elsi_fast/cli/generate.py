@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "where there is one, the draft's tokens elsewhere (2 is a good N; docs/real-models.md, "
                         "\"Copying\")")
     parser.add_argument("--lookup-k", type=positive_int, default=None, metavar="K",
-                        help="with --prompt-lookup: the most tokens a lookup round proposes (default: -k; 8 is a "
-                        "good K: they cost no draft steps)")
+                        help="with --prompt-lookup: the most tokens a lookup round proposes (default: -k; 7 is a "
+                        "good K: they cost no draft step, and 7 + 1 rows are one native forward)")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument("--prompts", help="a file of prompts: one per line, or JSON lines with a \"prompt\" key")
