@@ -36,12 +36,6 @@ void rope_half(float* x, int64_t n, int64_t heads, int64_t hd, const int64_t* po
   }
 }
 
-// transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in fp32.
-inline float gelu_tanh(float x) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
-}
-
 }  // namespace
 
 void NativeTarget::gemma3_attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads) {
@@ -69,7 +63,7 @@ void NativeTarget::gemma3_mlp_block(const NativeLayer& w, int64_t n, int num_thr
   const QuantMatrix gate_up[2] = {w.gate, w.up};
   float* const outs[2] = {gate_.data(), up_.data()};
   normed_products(w.ffn_norm, gate_up, outs, 2, n, num_threads);
-  for (int64_t i = 0; i < n * c.ffn; ++i) gate_[i] = gelu_tanh(gate_[i]) * up_[i];
+  gated_activation_rows(GatedActivation::kGeluTanh, gate_.data(), up_.data(), n, c.ffn);  // transformers' gelu_pytorch_tanh
   project(gate_.data(), c.ffn, w.down, n, num_threads);
   rms_norm_cpu(proj_.data(), w.post_ffn_norm, n, d, c.eps, xn_.data());
   for (int64_t i = 0; i < n * d; ++i) h_[i] += xn_[i];

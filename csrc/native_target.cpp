@@ -3,17 +3,73 @@
 // with the target runtime's kernels (RMSNorm, decode attention, the thread pool) and quant_linear's
 // products.
 
+// GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 #include "native_target.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "common/simd.h"
+#include "draft_decode.h"
 #include "target_runtime.h"
 
 namespace elsi_fast {
 namespace {
+
+// ------------------------------------------------------------------ gated activations
+// x / (1 + exp(-s x)): SiLU at s = 1; the tanh-GELU at s = 2 sqrt(2/pi) (1 + 0.044715 x^2).
+inline float gated_scalar(GatedActivation kind, float x) {
+  if (kind == GatedActivation::kSilu) return x / (1.0f + std::exp(-x));
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
+}
+
+// exp's argument -s x, kept below 88 (exp16 / exp8 overflow past it; x / (1 + e^88) is 0 to fp32).
+constexpr float kExpMax = 88.0f;
+
+ELSI_AVX512 void gated_rows_avx512(GatedActivation kind, float* gate, const float* up, int64_t rows, int64_t width) {
+  const __m512 one = _mm512_set1_ps(1.f), top = _mm512_set1_ps(kExpMax);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* g = gate + r * width;
+    const float* u = up + r * width;
+    int64_t i = 0;
+    for (; i + 16 <= width; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      __m512 arg = _mm512_sub_ps(_mm512_setzero_ps(), x);
+      if (kind == GatedActivation::kGeluTanh)  // -2 sqrt(2/pi) (x + 0.044715 x^3)
+        arg = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f),
+                            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(x, x), x), _mm512_set1_ps(0.044715f), x));
+      const __m512 e = simd::exp16(_mm512_min_ps(arg, top));
+      _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    for (; i < width; ++i) g[i] = gated_scalar(kind, g[i]) * u[i];
+  }
+}
+
+ELSI_AVX2 void gated_rows_avx2(GatedActivation kind, float* gate, const float* up, int64_t rows, int64_t width) {
+  const __m256 one = _mm256_set1_ps(1.f), top = _mm256_set1_ps(kExpMax);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* g = gate + r * width;
+    const float* u = up + r * width;
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      __m256 arg = _mm256_sub_ps(_mm256_setzero_ps(), x);
+      if (kind == GatedActivation::kGeluTanh)
+        arg = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),
+                            _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), x), _mm256_set1_ps(0.044715f), x));
+      const __m256 e = simd::exp8(_mm256_min_ps(arg, top));
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < width; ++i) g[i] = gated_scalar(kind, g[i]) * u[i];
+  }
+}
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("NativeTarget: " + message);
@@ -181,10 +237,7 @@ void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
   const QuantMatrix gate_up[2] = {w.gate, w.up};
   float* const outs[2] = {gate_.data(), up_.data()};
   normed_products(w.ffn_norm, gate_up, outs, 2, n, num_threads);
-  for (int64_t i = 0; i < n * c.ffn; ++i) {
-    const float g = gate_[i];
-    gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
-  }
+  gated_activation_rows(GatedActivation::kSilu, gate_.data(), up_.data(), n, c.ffn);
   project(gate_.data(), c.ffn, w.down, n, num_threads);
   for (int64_t i = 0; i < n * c.hidden; ++i) h_[i] += proj_[i];
 }
@@ -242,6 +295,13 @@ void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* seqs
   quantize_input(xn_.data(), n_logits, d, xq_);
   float* const out[1] = {logits};
   quant_linear_cpu(&w_.head, out, 1, xq_, num_threads);
+}
+
+void gated_activation_rows(GatedActivation kind, float* gate, const float* up, int64_t rows, int64_t width) {
+  const char* isa = cpu_isa();
+  if (std::strcmp(isa, "avx512") == 0) return gated_rows_avx512(kind, gate, up, rows, width);
+  if (std::strcmp(isa, "avx2") == 0) return gated_rows_avx2(kind, gate, up, rows, width);
+  for (int64_t i = 0; i < rows * width; ++i) gate[i] = gated_scalar(kind, gate[i]) * up[i];
 }
 
 }  // namespace elsi_fast

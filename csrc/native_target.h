@@ -114,4 +114,12 @@ class NativeTarget {
   QuantInput xq_;
 };
 
+// gate [rows, width] = act(gate) * up, row by row (each row the same steps whatever `rows` is): SiLU
+// (x / (1 + exp(-x))) or Gemma's tanh-GELU (0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2/pi)
+// (x + 0.044715 x^3)), with the vector exponential of simd.h on AVX2 / AVX-512 and the rows' last
+// width % 8 (16) columns in scalar fp32. Row by row in glibc, a Gemma 3 row took 36,864 tanh calls per
+// forward, about 0.45 ms on the Intel Xeon.
+enum class GatedActivation { kSilu, kGeluTanh };
+void gated_activation_rows(GatedActivation kind, float* gate, const float* up, int64_t rows, int64_t width);
+
 }  // namespace elsi_fast

@@ -115,6 +115,44 @@ void dots8_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t
 template <GgmlType T>
 constexpr DotsFn kScalarDots8[kMaxRows + 1] = {nullptr, dots8_scalar<T>};
 
+// Q4_K packed by 8 rows (pack_rows8): bytes of a group's super-block (8 file blocks of 144), and of
+// its head before the quants (8 d, 8 dmin, then the three scale words of the 8 rows as 3 x 32 bytes).
+constexpr int64_t kQ4KGroupBytes = 8 * 144;
+constexpr int64_t kQ4KGroupHead = 128;
+
+// The packed Q4_K kernels' arithmetic, one row at a time (q4k_scales' bit layout of the scale words):
+// per sub-block j the exact integer sum, acc = fma(d sc_j * xd, sum, acc), mins = fma(-(dmin m_j),
+// xs, mins) in block order; out = acc + mins.
+void dots8_q4k_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
+  const int64_t nb = x.cols / kQuantBlock;
+  float acc[8] = {}, mins[8] = {};
+  for (int64_t s = 0; s < blocks / 8; ++s, w += kQ4KGroupBytes)
+    for (int i = 0; i < 8; ++i) {
+      uint32_t word[3];
+      for (int k = 0; k < 3; ++k) std::memcpy(&word[k], w + 32 + 32 * k + 4 * i, 4);
+      const uint32_t sc[2] = {word[0] & 0x3f3f3f3fu, (word[2] & 0x0f0f0f0fu) | (((word[0] >> 6) & 0x03030303u) << 4)};
+      const uint32_t mn[2] = {word[1] & 0x3f3f3f3fu,
+                              ((word[2] >> 4) & 0x0f0f0f0fu) | (((word[1] >> 6) & 0x03030303u) << 4)};
+      for (int sub = 0; sub < 8; ++sub) {
+        const int shift = 8 * (sub % 4);
+        const float scale = half_bits(w + 2 * i) * static_cast<float>((sc[sub / 4] >> shift) & 0xFF);
+        const float neg_min = -(half_bits(w + 16 + 2 * i) * static_cast<float>((mn[sub / 4] >> shift) & 0xFF));
+        const int64_t b = 8 * s + sub;
+        const int8_t* xq = x.q.data() + m0 * x.cols + b * kQuantBlock;
+        int32_t sum = 0;
+        for (int64_t c = 0; c < kQuantBlock; ++c) {
+          const uint8_t byte = w[kQ4KGroupHead + 256 * (sub / 2) + 32 * (c / 4) + 4 * i + c % 4];
+          sum += (sub % 2 ? byte >> 4 : byte & 0x0F) * xq[c];
+        }
+        acc[i] = std::fma(scale * x.d[m0 * nb + b], static_cast<float>(sum), acc[i]);
+        mins[i] = std::fma(neg_min, x.s[m0 * nb + b], mins[i]);
+      }
+    }
+  for (int i = 0; i < 8; ++i) out[i] = acc[i] + mins[i];
+}
+
+constexpr DotsFn kScalarDots8Q4K[kMaxRows + 1] = {nullptr, dots8_q4k_scalar};
+
 #define ELSI_ISA_KERNELS "quant_dots.inc"
 #include "isa_variants.inc"
 #undef ELSI_ISA_KERNELS
@@ -127,23 +165,23 @@ struct Kernels {
   const char* isa;  // quant_kquants_cpu.cpp's tables of the other types (quant::more_dots)
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
-  const DotsFn* dots8[4];  // [Q4_0, Q4_1, Q8_0, Q5_0] over packed groups of 8 weight rows
-  const DotsFn* dots16[4];  // the same over two adjacent groups at once (null: dots8 only)
+  const DotsFn* dots8[5];  // [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K] over packed groups of 8 weight rows
+  const DotsFn* dots16[5];  // the same over two adjacent groups at once (null: dots8 only)
 };
 const Kernels kScalar{"scalar", 1,
                       {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>},
                       {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>,
-                       kScalarDots8<GgmlType::kQ5_0>},
+                       kScalarDots8<GgmlType::kQ5_0>, kScalarDots8Q4K},
                       {}};
 const Kernels kAvx2{"avx2", kMaxRows,
                     {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>},
                     {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>,
-                     avx2::kDots8<GgmlType::kQ5_0>},
+                     avx2::kDots8<GgmlType::kQ5_0>, avx2::kDots8Q4K},
                     {}};
 const Kernels kAvx512{"avx512", kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>},
                       {avx512::kDots8<GgmlType::kQ4_0>, avx512::kDots8<GgmlType::kQ4_1>,
-                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>},
+                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>, avx512::kDots8Q4K},
                       {avx512::kDots16<GgmlType::kQ4_0>, avx512::kDots16<GgmlType::kQ4_1>,
                        avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>}};
 
@@ -154,7 +192,15 @@ const Kernels& active_kernels() {
   return kScalar;
 }
 
-int rows8_index(GgmlType t) { return t == GgmlType::kQ4_0 ? 0 : t == GgmlType::kQ4_1 ? 1 : t == GgmlType::kQ8_0 ? 2 : 3; }
+int rows8_index(GgmlType t) {
+  switch (t) {
+    case GgmlType::kQ4_0: return 0;
+    case GgmlType::kQ4_1: return 1;
+    case GgmlType::kQ8_0: return 2;
+    case GgmlType::kQ5_0: return 3;
+    default: return 4;  // Q4_K
+  }
+}
 
 // The kernel table of a matrix for the active instruction set.
 const DotsFn* dots_for(const Kernels& k, const QuantMatrix& m) {
@@ -285,14 +331,38 @@ void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const Qu
 
 bool packs_rows8(int32_t type, int64_t rows) {
   const GgmlType t = static_cast<GgmlType>(type);
-  return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0) &&
+  return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0 ||
+          t == GgmlType::kQ4_K) &&
          rows % 8 == 0;
 }
 
+namespace {
+// Q4_K's group layout (quant_dots_rows8.inc, dots8_q4k): per super-block the 8 rows' d, dmin, scale
+// words 0, 1 and 2 (each as 8 x 4 bytes), then per pair of sub-blocks the 32 quant bytes as 8
+// vectors [4 bytes][8 rows].
+void pack_rows8_q4k(const QuantMatrix& m, uint8_t* out) {
+  const int64_t supers = m.cols / 256;
+  for (int64_t g = 0; g < m.rows / 8; ++g)
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* dst = out + (g * supers + s) * kQ4KGroupBytes;
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + s * 144;
+        std::memcpy(dst + 2 * i, src, 2);            // d
+        std::memcpy(dst + 16 + 2 * i, src + 2, 2);   // dmin
+        for (int k = 0; k < 3; ++k) std::memcpy(dst + 32 + 32 * k + 4 * i, src + 4 + 4 * k, 4);
+        for (int p = 0; p < 4; ++p)
+          for (int v = 0; v < 8; ++v)
+            std::memcpy(dst + kQ4KGroupHead + 256 * p + 32 * v + 4 * i, src + 16 + 32 * p + 4 * v, 4);
+      }
+    }
+}
+}  // namespace
+
 void pack_rows8(const QuantMatrix& m, uint8_t* out) {
   if (m.rows8 || !packs_rows8(static_cast<int32_t>(m.type), m.rows))
-    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1, Q5_0 or Q8_0 matrix in file layout with rows a "
-                                "multiple of 8");
+    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K matrix in file layout with "
+                                "rows a multiple of 8");
+  if (m.type == GgmlType::kQ4_K) return pack_rows8_q4k(m, out);
   const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type)), blocks = m.cols / kQuantBlock;
   // bytes before a file block's quants: d, then Q4_1's fp16 minimum or Q5_0's uint32 fifth bits
   const int64_t extra = m.type == GgmlType::kQ4_1 ? 2 : m.type == GgmlType::kQ5_0 ? 4 : 0, head = 2 + extra;

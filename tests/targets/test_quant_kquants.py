@@ -45,11 +45,11 @@ def matrix_of(name: str, blocks: np.ndarray, cols: int) -> tuple[tuple, np.ndarr
     return (TYPES[name], blocks, blocks.shape[0], cols), dense
 
 
-def check_product(name: str, matrix: tuple, dense: np.ndarray, seed: int) -> None:
+def check_product(name: str, matrix: tuple, dense: np.ndarray, seed: int, packed: bool = False) -> None:
     rng = np.random.default_rng(seed)
     for n in (1, 3, 8, 11):
         x = rng.standard_normal((n, dense.shape[1])).astype(np.float32)
-        (y,) = _C.quant_linear([matrix], x, 2)
+        (y,) = _C.quant_linear([matrix], x, 2, packed=packed)
         xq = quantized_input(x)
         bound = TOLERANCE[name] * (np.abs(xq) @ np.abs(dense).T)
         err = np.abs(y - xq @ dense.T)
@@ -86,11 +86,50 @@ def test_real_gemma_rows_match_float64(gemma_tensors, tensor, name, cpu_isa):
     check_product(name, matrix, dense, seed=3)
 
 
-@pytest.mark.parametrize("name", TYPES)
-def test_rows_are_bitwise_independent(name, cpu_isa):
-    matrix, _ = matrix_of(name, random_blocks(name, 93, 768, seed=5), 768)
+@pytest.mark.parametrize("name, rows, packed", [("Q5_0", 93, False), ("Q4_K", 93, False), ("Q6_K", 93, False),
+                                                ("Q4_K", 96, True)])
+def test_rows_are_bitwise_independent(name, rows, packed, cpu_isa):
+    matrix, _ = matrix_of(name, random_blocks(name, rows, 768, seed=5), 768)
     x = np.random.default_rng(6).standard_normal((9, 768)).astype(np.float32)
-    alone = np.concatenate([_C.quant_linear([matrix], x[i:i + 1], 1)[0] for i in range(9)])
+    alone = np.concatenate([_C.quant_linear([matrix], x[i:i + 1], 1, packed=packed)[0] for i in range(9)])
     for n in range(2, 10):
         for threads in (1, 2):
-            np.testing.assert_array_equal(_C.quant_linear([matrix], x[:n], threads)[0], alone[:n])
+            np.testing.assert_array_equal(_C.quant_linear([matrix], x[:n], threads, packed=packed)[0], alone[:n])
+
+
+# Q4_K packed by 8 rows (pack_rows8, csrc/quant_dots_rows8.inc dots8_q4k): whole groups of 8 rows.
+@pytest.mark.parametrize("shape", [(8, 256), (24, 512), (304, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_packed_q4k_matches_float64(shape, cpu_isa):
+    rows, cols = shape
+    matrix, dense = matrix_of("Q4_K", random_blocks("Q4_K", rows, cols, seed=rows + 1), cols)
+    check_product("Q4_K", matrix, dense, seed=cols + 1, packed=True)
+
+
+def test_packed_q4k_real_gemma_rows_match_float64(gemma_tensors):
+    t = gemma_tensors["blk.0.attn_output.weight"]
+    blocks = np.ascontiguousarray(np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)[:80])
+    matrix, dense = matrix_of("Q4_K", blocks, int(t.shape[0]))
+    check_product("Q4_K", matrix, dense, seed=4, packed=True)
+
+
+def test_packed_q4k_is_the_same_on_every_instruction_set():
+    """The packed Q4_K kernels' integer sub-block sums are exact and their fp32 steps those of the
+    scalar path (dots8_q4k_scalar), so every path this CPU has gives its bits, the extreme codes
+    (q = 15 against inputs of +-127 in every column) included."""
+    matrix, _ = matrix_of("Q4_K", random_blocks("Q4_K", 40, 512, seed=9), 512)
+    saturated = np.array(matrix[1])
+    saturated[:8, 16:144] = 0xFF  # the first super-block's quants of 8 rows: every code 15
+    x = np.random.default_rng(10).standard_normal((5, 512)).astype(np.float32)
+    x[1] = 127.0
+    x[2, ::2] = -127.0
+    results = {}
+    previous = _C.cpu_isa()
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if _C.set_cpu_isa(isa):
+                results[isa] = [_C.quant_linear([m], x, 2, packed=True)[0] for m in (matrix, (12, saturated, 40, 512))]
+    finally:
+        _C.set_cpu_isa(previous)
+    for isa, ys in results.items():
+        for y, want in zip(ys, results["scalar"]):
+            np.testing.assert_array_equal(y, want, err_msg=isa)
