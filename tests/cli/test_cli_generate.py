@@ -86,7 +86,9 @@ def test_gemma3_greedy_runs(capsys):
     assert main(["generate", "--target", gemma, "--prompt", "The three primary colors are", "--raw",
                  "--max-new-tokens", "6", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "red, blue, and yellow" in out and "1 prompts, 6 new tokens: " in out
+    # After "red, blue" the file's " and" and "," are 0.015 apart in the logits (about 22.5 each), so
+    # which comes next moves with the fp32 summation order of the kernels; the colours do not.
+    assert "red, blue" in out and "yellow" in out.split("red, blue")[1] and "1 prompts, 6 new tokens: " in out
 
 
 def test_another_architecture_is_refused(tmp_path, capsys):
