@@ -72,13 +72,18 @@ def test_replayed_tau_equals_live_tau_without_a_target_forward(setup, monkeypatc
 
     model, _ = load_model(str(target), device="cpu", dtype="float32", progress=False)
     draft = read_draft(draft_dir, embed_tokens=model.get_input_embeddings().weight.detach())
-    live = {}
-    for record in read_conversations(answers / "conversations.jsonl"):
-        eos = record["response_ids"][-1] if record["stop"] == "eos" else None
-        live.setdefault(record["category"], []).append(speculative_generate(
-            model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
-            draft_backend="torch"))
-    assert first == pytest.approx(pooled_tau(live)) and set(first) == {"qa", "rag", "all"}
+
+    def live_tau(**settings):
+        """Pooled tau of live speculative decoding of every cached prompt, its continuation's length."""
+        live = {}
+        for record in read_conversations(answers / "conversations.jsonl"):
+            eos = record["response_ids"][-1] if record["stop"] == "eos" else None
+            live.setdefault(record["category"], []).append(speculative_generate(
+                model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
+                draft_backend="torch", **settings))
+        return pooled_tau(live)
+
+    assert first == pytest.approx(live_tau()) and set(first) == {"qa", "rag", "all"}
     capsys.readouterr()
     _no_target_forward(monkeypatch)
     assert main(base) == 0  # the states are there now: no target forward
@@ -91,24 +96,12 @@ def test_replayed_tau_equals_live_tau_without_a_target_forward(setup, monkeypatc
     assert main([*base, "--prompt-lookup", "1"]) == 0
     written = json.loads(out.read_text())
     assert written["prompt_lookup"] == 1 and "prompt lookup n=1 before the draft" in capsys.readouterr().out
-    live = {}
-    for record in read_conversations(answers / "conversations.jsonl"):
-        eos = record["response_ids"][-1] if record["stop"] == "eos" else None
-        live.setdefault(record["category"], []).append(speculative_generate(
-            model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
-            draft_backend="torch", prompt_lookup=1))
-    assert written["tau"] == pytest.approx(pooled_tau(live)) and written["tau"] != first
+    assert written["tau"] == pytest.approx(live_tau(prompt_lookup=1)) and written["tau"] != first
     # and with lookup rounds longer than the draft's k
     assert main([*base, "--prompt-lookup", "1", "--lookup-k", "7"]) == 0
     written = json.loads(out.read_text())
     assert written["lookup_k"] == 7 and "prompt lookup n=1, up to 7 tokens before the draft" in capsys.readouterr().out
-    live = {}
-    for record in read_conversations(answers / "conversations.jsonl"):
-        eos = record["response_ids"][-1] if record["stop"] == "eos" else None
-        live.setdefault(record["category"], []).append(speculative_generate(
-            model, draft, torch.tensor(record["prompt_ids"]), len(record["response_ids"]), 3, eos_token_id=eos,
-            draft_backend="torch", prompt_lookup=1, lookup_k=7))
-    assert written["tau"] == pytest.approx(pooled_tau(live))
+    assert written["tau"] == pytest.approx(live_tau(prompt_lookup=1, lookup_k=7))
     _fails([*base, "--lookup-k", "7"], capsys, "--lookup-k: sets how long prompt-lookup proposals are")
 
 
