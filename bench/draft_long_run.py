@@ -37,6 +37,7 @@ Work goes to runs/long-run/<model>/; Ctrl-C stops at the end of a step and a rer
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -136,8 +137,6 @@ def continued_cell_name(parent_name: str, suffix: str, limit: int = 200) -> str:
     name = parent_name + suffix
     if len(name) <= limit:
         return name
-    import hashlib
-
     digest = hashlib.sha1(parent_name.encode()).hexdigest()[:10]
     return f"{parent_name[: max(0, limit - len(suffix) - 12)]}~{digest}" + suffix
 

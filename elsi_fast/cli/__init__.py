@@ -29,6 +29,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def check_lookup_args(args) -> None:
+    """--lookup-k only with --prompt-lookup (eval-draft, generate)."""
+    if args.lookup_k is not None and args.prompt_lookup is None:
+        raise UsageError("--lookup-k: sets how long prompt-lookup proposals are; give --prompt-lookup N too")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

@@ -9,7 +9,7 @@ import os
 
 from .._infra.native_names import DRAFT_BACKENDS, NATIVE_WEIGHT_DTYPES, TRAINING_PRECISIONS
 from ..targets.loading import DTYPES
-from . import UsageError, one_line, positive_int
+from . import UsageError, check_lookup_args, one_line, positive_int
 from .analyze import MODEL_HELP, check_device, check_model, check_out_folder
 
 # elsi_fast.training.train.STATE_FILE, repeated here because checks and Ctrl-C hints must not import torch.
@@ -335,11 +335,6 @@ def lookup_note(args: argparse.Namespace) -> str:
         return ""
     proposing = "" if args.lookup_k is None else f", up to {args.lookup_k} tokens"
     return f", prompt lookup n={args.prompt_lookup}{proposing} before the draft"
-
-
-def check_lookup_args(args: argparse.Namespace) -> None:
-    if args.lookup_k is not None and args.prompt_lookup is None:
-        raise UsageError("--lookup-k: sets how long prompt-lookup proposals are; give --prompt-lookup N too")
 
 
 def eval_handler(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .._infra.native_names import NATIVE_WEIGHT_DTYPES
-from . import UsageError, one_line, positive_int
+from . import UsageError, check_lookup_args, one_line, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,8 +94,7 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("--draft-dtype: needs --draft")
     if args.prompt_lookup is not None and args.draft is None:
         raise UsageError("--prompt-lookup: needs --draft (it proposes in front of the draft)")
-    if args.lookup_k is not None and args.prompt_lookup is None:
-        raise UsageError("--lookup-k: sets how long prompt-lookup proposals are; give --prompt-lookup N too")
+    check_lookup_args(args)
     args.prompt_texts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
 
 
