@@ -13,7 +13,10 @@ contender once; medians over --rounds):
               tokens each; its tokens are checked equal to the native greedy tokens of the same
               prompt, timed in the same round; with --prompt-lookup N also with the n-gram lookup
               proposing before the draft (`speculative_loop(prompt_lookup=N)`), k tokens a round
-              and, with --lookup-k K, up to K.
+              and, with --lookup-k K, up to K. Each round also times each prompt's prefill alone
+              (the greedy decoder's, `NativeTargetRunner.forward` of the prompt), so that the rows
+              also give decode-only speeds: new tokens over the time less that prefill, for greedy
+              and every case alike (params `*_decode_tokens_per_s`).
 Files: the SmolLM2 package's Q4_1 file and its Q8_0 re-rounding (`gguf_requantize`, written once
 into the cache); with --model gemma3-270m the Gemma 3 package's Q4_K_M file (type Q4_K_M in the
 rows), without draft rows unless --draft names a draft trained for it. Also the native forward's
@@ -55,7 +58,7 @@ from bench.integration.llamacpp import VERSION, binary, llamacpp_amx
 from elsi_fast._infra.cache import cache_root
 from elsi_fast.targets import catalog
 from elsi_fast.targets.gguf_requantize import requantize_gguf
-from elsi_fast.decoding.native_target import (native_draft_decoder, native_greedy_generate,
+from elsi_fast.decoding.native_target import (NativeTargetRunner, native_draft_decoder, native_greedy_generate,
                                               native_speculative_generate, target_embedding)
 from elsi_fast.targets.native_forward import NativeForward
 
@@ -164,13 +167,17 @@ def case_name(dtype: str, k: int, lookup: int | None, lookup_k: int | None = Non
 
 def native_draft_round(model: NativeForward, decoders: dict[str, object], prompts: list[list[int]], tokens: int,
                        cases: list[tuple[str, int, int | None, int | None]]) -> dict:
-    """New tokens/s of native greedy and native+draft for each case (decoder weight dtype, k, prompt
-    lookup's n or None, its proposals' length or None for k) over the prompts; tau; equality."""
+    """Seconds of native greedy and native+draft for each case (decoder weight dtype, k, prompt
+    lookup's n or None, its proposals' length or None for k) over the prompts, and of the prompts'
+    prefill alone; new tokens; tau; equality."""
     import torch
 
-    out: dict = {"greedy_s": 0.0, "cases": {c: {"s": 0.0, "accepted": 0, "rounds": 0} for c in cases},
+    out: dict = {"greedy_s": 0.0, "prefill_s": 0.0, "cases": {c: {"s": 0.0, "accepted": 0, "rounds": 0} for c in cases},
                  "equal": True, "new_tokens": 0}
     for ids in prompts:
+        start = time.perf_counter()
+        NativeTargetRunner(model, []).forward(torch.tensor([ids]), last_only=True)
+        out["prefill_s"] += time.perf_counter() - start
         start = time.perf_counter()
         greedy = native_greedy_generate(model, torch.tensor(ids), tokens)
         out["greedy_s"] += time.perf_counter() - start
@@ -267,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.k:
                 d = native_draft_round(model, decoders[(kind, threads)], prompts, args.tokens, cases)
                 s["chat_greedy"].append(d["new_tokens"] / d["greedy_s"])
+                s.setdefault("chat_greedy_decode", []).append(d["new_tokens"] / (d["greedy_s"] - d["prefill_s"]))
                 for c, case in d["cases"].items():
                     s[f"draft_{case_name(*c)}"].append(d["new_tokens"] / case["s"])
+                    s.setdefault(f"decode_{case_name(*c)}", []).append(d["new_tokens"] / (case["s"] - d["prefill_s"]))
                     s["tau"][case_name(*c)][0] += case["accepted"] + case["rounds"]
                     s["tau"][case_name(*c)][1] += case["rounds"]
                 s["equal"] &= d["equal"]
@@ -288,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             value = statistics.median(s[f"draft_{case_name(*c)}"])
             tau = s["tau"][case_name(*c)]
+            decode, greedy_decode = (statistics.median(s[key]) for key in (f"decode_{case_name(*c)}", "chat_greedy_decode"))
             print(f"  with the draft {case_name(*c)}: {value:.1f} tokens/s ({value / theirs:.2f}x llama.cpp's "
-                  f"greedy), tau {tau[0] / tau[1]:.3f}, tokens equal to native greedy: {s['equal']}", flush=True)
+                  f"greedy, {value / statistics.median(s['chat_greedy']):.2f}x native greedy; decode only "
+                  f"{decode / greedy_decode:.2f}x), tau {tau[0] / tau[1]:.3f}, tokens equal to native greedy: "
+                  f"{s['equal']}", flush=True)
         if args.no_record:
             continue
         device = f"{cpu_model()} ({threads} threads)"
@@ -319,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                            "prompts": len(prompts),
                            "prompt_set": "chat" if args.spec_bench is None else f"spec-bench x{args.spec_bench}",
                            "native_chat_greedy_tokens_per_s": statistics.median(s["chat_greedy"]),
+                           "native_chat_greedy_decode_tokens_per_s": statistics.median(s["chat_greedy_decode"]),
+                           "decode_tokens_per_s": statistics.median(s[f"decode_{name}"]),
                            "tokens_equal_native_greedy": s["equal"]})
     return 0
 

@@ -666,14 +666,24 @@ def native_lookup(results: Results) -> list[str]:
         greedy = both["params"]["native_chat_greedy_tokens_per_s"]
         amx = "" if both["params"].get("llamacpp_amx") is not False else " (built without AMX)"
         lk = longer.get((model, threads, k, n))
-        far = "–" if lk is None else f"{lk}: " + cell(NATIVE_LOOKUP.pick(
-            results, f"{metric}/lookup={n}/lookup_k={lk}", model=model, k=k, prompt_lookup=n, lookup_k=lk,
-            commit=commit), greedy)
+        far_row = None if lk is None else NATIVE_LOOKUP.pick(
+            results, f"{metric}/lookup={n}/lookup_k={lk}", model=model, k=k, prompt_lookup=n, lookup_k=lk, commit=commit)
+        far = "–" if far_row is None else f"{lk}: " + cell(far_row, greedy)
         body.append([model, machine(both["device"]), kind, str(threads), str(k), f"{greedy:.1f}", cell(alone, greedy),
-                     cell(both, greedy), far, f"{both['baseline']:.1f}{amx}"])
+                     cell(both, greedy), far, " / ".join(decode_only(r) for r in (alone, both, far_row) if r),
+                     f"{both['baseline']:.1f}{amx}"])
     return markdown(["target", "CPU", "file", "threads", "k", "native greedy (tokens/s)", "with the kept draft",
                      "with the draft and the n-gram lookup (k tokens)", "lookup proposing up to K tokens: K, tokens/s",
-                     "llama.cpp greedy (tg)"], body)
+                     "decode only, prefill out (the three, against greedy's)", "llama.cpp greedy (tg)"], body)
+
+
+def decode_only(row: Row) -> str:
+    """A native_target_decode draft row's decode-only speedup on native greedy (both less the prompts'
+    prefill time); "–" for rows from before bench_native_target timed the prefill."""
+    p = row["params"]
+    if "decode_tokens_per_s" not in p:
+        return "–"
+    return x(p["decode_tokens_per_s"] / p["native_chat_greedy_decode_tokens_per_s"])
 
 
 # bench/results/README.md's index of the files: what writes each and whether its rows are current; the

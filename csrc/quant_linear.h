@@ -43,7 +43,8 @@ struct QuantMatrix {
   }
 };
 
-// `rows` input rows quantized per 32-column block: q = round-half-even(x / d), d = max|x| / 127.
+// `rows` input rows quantized per 32-column block: q = round-half-even(x * (1 / d)), d = max|x| / 127
+// (fp32; every instruction set's quantize_input gives the same bytes).
 struct QuantInput {
   int64_t rows = 0;
   int64_t cols = 0;
@@ -52,6 +53,7 @@ struct QuantInput {
   std::vector<float> s;   // [rows, cols / 32] d * sum(q) (Q4_1's minimum multiplies it)
   std::vector<float> s8;  // s by groups of 8 rows, [ceil(rows / 8), cols / 32, 8], zero padded
   std::vector<int32_t> qsum;  // [rows, cols / 32] sum(q)
+  std::vector<int32_t> qsum16;  // [rows, cols / 16] sum(q) over each 16 columns (Q6_K's scale halves)
 };
 
 void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out);
@@ -65,8 +67,9 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
 // 32-column block, the 8 fp16 scales d, Q4_1's 8 fp16 minimums or Q5_0's 8 uint32 fifth bits, then
 // the quants as 32-byte vectors [4 columns][8 rows][4 bytes]: Q8_0 columns 4j .. 4j + 3 in vector
 // j < 8; Q4_0 / Q4_1 / Q5_0 nibble bytes 4j .. 4j + 3 in vector j < 4 (low nibbles columns 4j..,
-// high ones 16 + 4j..). Packable: Q4_0, Q4_1, Q5_0 and Q8_0 with rows a multiple of 8 (Gemma 3's
-// file: every Q5_0 matrix; its Q4_K / Q6_K ones run row by row).
+// high ones 16 + 4j..). Packable: Q4_0, Q4_1, Q5_0, Q8_0, and the super-block types Q4_K and Q6_K
+// (their own group layouts, quant_linear_cpu.cpp), with rows a multiple of 8 (every matrix
+// of Gemma 3's package file).
 bool packs_rows8(int32_t type, int64_t rows);
 // m (file layout, packable) into out (m.row_bytes() * m.rows bytes); the packed matrix is
 // {m.type, out, m.rows, m.cols, true}.

@@ -6,8 +6,8 @@
 // of consecutive weight rows of about kChunkBytes, so each thread streams memory sequentially.
 // Read row by row (the file layout), per input row and block the kernel costs about as much as
 // reading the block (a load, two multiply-adds, a conversion, the scale and an FMA), so a 5-row
-// product cost about 2.3x a 1-row one; Q4_0, Q4_1 and Q8_0 matrices of the forward are therefore
-// packed by 8 rows (pack_rows8, quant_dots_rows8.inc; docs/native-target.md), and with AVX-512 two
+// product cost about 2.3x a 1-row one; the forward's matrices (each type, rows a multiple of 8) are
+// therefore packed by 8 rows (pack_rows8, quant_dots_rows8.inc; docs/native-target.md), and with AVX-512 two
 // groups share each 512-bit vector, which halves the work of every further input row again.
 
 // GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "undefined" vectors).
@@ -153,6 +153,57 @@ void dots8_q4k_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int
 
 constexpr DotsFn kScalarDots8Q4K[kMaxRows + 1] = {nullptr, dots8_q4k_scalar};
 
+// Q6_K packed by 8 rows (pack_rows8): bytes of a group's super-block (8 file blocks of 210), and of
+// its head before the quants (the 8 rows' fp16 d, then their int8 scales as [16 scales][8 rows]).
+// The quants follow as vectors [4 columns][8 rows][4 bytes]: ql's four 32-byte runs (256 bytes
+// each), then qh's two (quant_kquants_cpu.cpp has the file layout).
+constexpr int64_t kQ6KGroupBytes = 8 * 210;
+constexpr int64_t kQ6KGroupHead = 144;
+
+// The packed Q6_K kernels' arithmetic, one row at a time: per sub-block the exact integer sum
+// sc_a * sum_{c < 16} (q - 32) x + sc_b * sum_{c >= 16} (q - 32) x, then acc = fma(d * xd, sum, acc)
+// in block order.
+void dots8_q6k_scalar(const uint8_t* w, int64_t blocks, const QuantInput& x, int64_t m0, float* out) {
+  const int64_t nb = x.cols / kQuantBlock;
+  float acc[8] = {};
+  for (int64_t s = 0; s < blocks / 8; ++s, w += kQ6KGroupBytes)
+    for (int i = 0; i < 8; ++i)
+      for (int sub = 0; sub < 8; ++sub) {
+        const int n = sub / 4, k = sub % 4;
+        const int64_t b = 8 * s + sub;
+        const int8_t* xq = x.q.data() + m0 * x.cols + b * kQuantBlock;
+        int32_t halves[2] = {0, 0};
+        for (int64_t c = 0; c < kQuantBlock; ++c) {
+          const int64_t lane = 32 * (c / 4) + 4 * i + c % 4;
+          const int32_t low = (w[kQ6KGroupHead + 256 * (2 * n + k % 2) + lane] >> (4 * (k / 2))) & 0x0F;
+          const int32_t high = (w[kQ6KGroupHead + 1024 + 256 * n + lane] >> (2 * k)) & 3;
+          halves[c / 16] += ((low | high << 4) - 32) * xq[c];
+        }
+        const int8_t* sc = reinterpret_cast<const int8_t*>(w + 16);
+        const int32_t sum = halves[0] * sc[8 * (2 * sub) + i] + halves[1] * sc[8 * (2 * sub + 1) + i];
+        acc[i] = std::fma(half_bits(w + 2 * i) * x.d[m0 * nb + b], static_cast<float>(sum), acc[i]);
+      }
+  for (int i = 0; i < 8; ++i) out[i] = acc[i];
+}
+
+constexpr DotsFn kScalarDots8Q6K[kMaxRows + 1] = {nullptr, dots8_q6k_scalar};
+
+// One 32-column input block as QuantInput defines it (quant_dots.inc's quantize_block per
+// instruction set gives the same bytes): q[32], the sums of q over columns 0-15 and 16-31; returns d.
+using QuantizeFn = float (*)(const float* x, int8_t* q, int32_t* half_sums);
+float quantize_block_scalar(const float* x, int8_t* q, int32_t* half_sums) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < kQuantBlock; ++c) amax = std::max(amax, std::fabs(x[c]));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  half_sums[0] = half_sums[1] = 0;
+  for (int64_t c = 0; c < kQuantBlock; ++c) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[c] * inv));
+    q[c] = static_cast<int8_t>(v);
+    half_sums[c / 16] += v;
+  }
+  return d;
+}
+
 #define ELSI_ISA_KERNELS "quant_dots.inc"
 #include "isa_variants.inc"
 #undef ELSI_ISA_KERNELS
@@ -165,25 +216,30 @@ struct Kernels {
   const char* isa;  // quant_kquants_cpu.cpp's tables of the other types (quant::more_dots)
   int block;  // most input rows per call
   const DotsFn* dots[3];  // [Q4_0, Q4_1, Q8_0][input rows]
-  const DotsFn* dots8[5];  // [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K] over packed groups of 8 weight rows
-  const DotsFn* dots16[5];  // the same over two adjacent groups at once (null: dots8 only)
+  const DotsFn* dots8[6];  // [Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K] over packed groups of 8 weight rows
+  const DotsFn* dots16[6];  // the same over two adjacent groups at once (null: dots8 only)
+  QuantizeFn quantize;  // one input block
 };
 const Kernels kScalar{"scalar", 1,
                       {kScalarDots<GgmlType::kQ4_0>, kScalarDots<GgmlType::kQ4_1>, kScalarDots<GgmlType::kQ8_0>},
                       {kScalarDots8<GgmlType::kQ4_0>, kScalarDots8<GgmlType::kQ4_1>, kScalarDots8<GgmlType::kQ8_0>,
-                       kScalarDots8<GgmlType::kQ5_0>, kScalarDots8Q4K},
-                      {}};
+                       kScalarDots8<GgmlType::kQ5_0>, kScalarDots8Q4K, kScalarDots8Q6K},
+                      {},
+                      quantize_block_scalar};
 const Kernels kAvx2{"avx2", kMaxRows,
                     {avx2::kDots<GgmlType::kQ4_0>, avx2::kDots<GgmlType::kQ4_1>, avx2::kDots<GgmlType::kQ8_0>},
                     {avx2::kDots8<GgmlType::kQ4_0>, avx2::kDots8<GgmlType::kQ4_1>, avx2::kDots8<GgmlType::kQ8_0>,
-                     avx2::kDots8<GgmlType::kQ5_0>, avx2::kDots8Q4K},
-                    {}};
+                     avx2::kDots8<GgmlType::kQ5_0>, avx2::kDots8Q4K, avx2::kDots8Q6K},
+                    {},
+                    avx2::quantize_block};
 const Kernels kAvx512{"avx512", kMaxRows,
                       {avx512::kDots<GgmlType::kQ4_0>, avx512::kDots<GgmlType::kQ4_1>, avx512::kDots<GgmlType::kQ8_0>},
                       {avx512::kDots8<GgmlType::kQ4_0>, avx512::kDots8<GgmlType::kQ4_1>,
-                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>, avx512::kDots8Q4K},
+                       avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>, avx512::kDots8Q4K,
+                       avx512::kDots8Q6K},
                       {avx512::kDots16<GgmlType::kQ4_0>, avx512::kDots16<GgmlType::kQ4_1>,
-                       avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>}};
+                       avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>},
+                      avx512::quantize_block};
 
 const Kernels& active_kernels() {
   const char* isa = cpu_isa();
@@ -198,7 +254,8 @@ int rows8_index(GgmlType t) {
     case GgmlType::kQ4_1: return 1;
     case GgmlType::kQ8_0: return 2;
     case GgmlType::kQ5_0: return 3;
-    default: return 4;  // Q4_K
+    case GgmlType::kQ4_K: return 4;
+    default: return 5;  // Q6_K
   }
 }
 
@@ -294,18 +351,12 @@ void quantize_input(const float* x, int64_t rows, int64_t cols, QuantInput& out)
   out.rows = rows, out.cols = cols;
   out.q.resize(rows * cols), out.d.resize(rows * nb), out.s.resize(rows * nb);
   out.s8.assign((rows + kMaxRows - 1) / kMaxRows * nb * kMaxRows, 0.f);
-  out.qsum.resize(rows * nb);
+  out.qsum.resize(rows * nb), out.qsum16.resize(2 * rows * nb);
+  const QuantizeFn quantize = active_kernels().quantize;
   for (int64_t i = 0; i < rows * nb; ++i) {
-    const float* xb = x + i * kQuantBlock;
-    float amax = 0.f;
-    for (int64_t c = 0; c < kQuantBlock; ++c) amax = std::max(amax, std::fabs(xb[c]));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t c = 0; c < kQuantBlock; ++c) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[c] * inv));
-      out.q[i * kQuantBlock + c] = static_cast<int8_t>(q);
-      sum += q;
-    }
+    int32_t* halves = out.qsum16.data() + 2 * i;
+    const float d = quantize(x + i * kQuantBlock, out.q.data() + i * kQuantBlock, halves);
+    const int32_t sum = halves[0] + halves[1];
     out.d[i] = d;
     out.qsum[i] = sum;
     out.s[i] = d * static_cast<float>(sum);
@@ -332,7 +383,7 @@ void quant_linear_cpu(const QuantMatrix* mats, float* const* ys, int n, const Qu
 bool packs_rows8(int32_t type, int64_t rows) {
   const GgmlType t = static_cast<GgmlType>(type);
   return (t == GgmlType::kQ4_0 || t == GgmlType::kQ4_1 || t == GgmlType::kQ5_0 || t == GgmlType::kQ8_0 ||
-          t == GgmlType::kQ4_K) &&
+          t == GgmlType::kQ4_K || t == GgmlType::kQ6_K) &&
          rows % 8 == 0;
 }
 
@@ -356,13 +407,32 @@ void pack_rows8_q4k(const QuantMatrix& m, uint8_t* out) {
       }
     }
 }
+
+// Q6_K's group layout (dots8_q6k): per super-block the 8 rows' d and 16 int8 scales, then ql's four
+// 32-byte runs and qh's two, each as 8 vectors [4 bytes][8 rows].
+void pack_rows8_q6k(const QuantMatrix& m, uint8_t* out) {
+  const int64_t supers = m.cols / 256;
+  for (int64_t g = 0; g < m.rows / 8; ++g)
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* dst = out + (g * supers + s) * kQ6KGroupBytes;
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + s * 210;
+        std::memcpy(dst + 2 * i, src + 208, 2);  // d
+        for (int j = 0; j < 16; ++j) dst[16 + 8 * j + i] = src[192 + j];
+        for (int run = 0; run < 6; ++run)  // ql's runs 0-3 (bytes 0-127), qh's 4-5 (bytes 128-191)
+          for (int v = 0; v < 8; ++v)
+            std::memcpy(dst + kQ6KGroupHead + 256 * run + 32 * v + 4 * i, src + 32 * run + 4 * v, 4);
+      }
+    }
+}
 }  // namespace
 
 void pack_rows8(const QuantMatrix& m, uint8_t* out) {
   if (m.rows8 || !packs_rows8(static_cast<int32_t>(m.type), m.rows))
-    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K matrix in file layout with "
+    throw std::invalid_argument("pack_rows8: expected a Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K matrix in file layout with "
                                 "rows a multiple of 8");
   if (m.type == GgmlType::kQ4_K) return pack_rows8_q4k(m, out);
+  if (m.type == GgmlType::kQ6_K) return pack_rows8_q6k(m, out);
   const int64_t bytes = ggml_block_bytes(static_cast<int32_t>(m.type)), blocks = m.cols / kQuantBlock;
   // bytes before a file block's quants: d, then Q4_1's fp16 minimum or Q5_0's uint32 fifth bits
   const int64_t extra = m.type == GgmlType::kQ4_1 ? 2 : m.type == GgmlType::kQ5_0 ? 4 : 0, head = 2 + extra;

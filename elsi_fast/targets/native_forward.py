@@ -80,7 +80,7 @@ class NativeForward:
 
     def packed_weight_bytes(self) -> int:
         """Bytes of the products' weights packed by 8 rows in memory (csrc/quant_linear.h, pack_rows8):
-        the Q4_0 / Q4_1 / Q8_0 matrices, a tied head apart from the embedding its lookups read."""
+        every matrix whose type and rows allow it, a tied head apart from the embedding its lookups read."""
         return self._native.packed_bytes()
 
     def kv_cache_bytes(self) -> int:

@@ -87,7 +87,7 @@ def test_real_gemma_rows_match_float64(gemma_tensors, tensor, name, cpu_isa):
 
 
 @pytest.mark.parametrize("name, rows, packed", [("Q5_0", 93, False), ("Q4_K", 93, False), ("Q6_K", 93, False),
-                                                ("Q4_K", 96, True)])
+                                                ("Q4_K", 96, True), ("Q6_K", 96, True)])
 def test_rows_are_bitwise_independent(name, rows, packed, cpu_isa):
     matrix, _ = matrix_of(name, random_blocks(name, rows, 768, seed=5), 768)
     x = np.random.default_rng(6).standard_normal((9, 768)).astype(np.float32)
@@ -97,28 +97,46 @@ def test_rows_are_bitwise_independent(name, rows, packed, cpu_isa):
             np.testing.assert_array_equal(_C.quant_linear([matrix], x[:n], threads, packed=packed)[0], alone[:n])
 
 
-# Q4_K packed by 8 rows (pack_rows8, csrc/quant_dots_rows8.inc dots8_q4k): whole groups of 8 rows.
+# The super-block types packed by 8 rows (pack_rows8; csrc/quant_dots_rows8.inc dots8_q4k, dots8_q6k):
+# whole groups of 8 rows.
+PACKED = ("Q4_K", "Q6_K")
+
+
+@pytest.mark.parametrize("name", PACKED)
 @pytest.mark.parametrize("shape", [(8, 256), (24, 512), (304, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_packed_q4k_matches_float64(shape, cpu_isa):
+def test_packed_matches_float64(name, shape, cpu_isa):
     rows, cols = shape
-    matrix, dense = matrix_of("Q4_K", random_blocks("Q4_K", rows, cols, seed=rows + 1), cols)
-    check_product("Q4_K", matrix, dense, seed=cols + 1, packed=True)
+    matrix, dense = matrix_of(name, random_blocks(name, rows, cols, seed=rows + 1), cols)
+    check_product(name, matrix, dense, seed=cols + 1, packed=True)
 
 
-def test_packed_q4k_real_gemma_rows_match_float64(gemma_tensors):
-    t = gemma_tensors["blk.0.attn_output.weight"]
+@pytest.mark.parametrize("tensor, name", [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K")])
+def test_packed_real_gemma_rows_match_float64(gemma_tensors, tensor, name):
+    t = gemma_tensors[tensor]
+    assert t.tensor_type.name == name
     blocks = np.ascontiguousarray(np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)[:80])
-    matrix, dense = matrix_of("Q4_K", blocks, int(t.shape[0]))
-    check_product("Q4_K", matrix, dense, seed=4, packed=True)
+    matrix, dense = matrix_of(name, blocks, int(t.shape[0]))
+    check_product(name, matrix, dense, seed=4, packed=True)
 
 
-def test_packed_q4k_is_the_same_on_every_instruction_set():
-    """The packed Q4_K kernels' integer sub-block sums are exact and their fp32 steps those of the
-    scalar path (dots8_q4k_scalar), so every path this CPU has gives its bits, the extreme codes
-    (q = 15 against inputs of +-127 in every column) included."""
-    matrix, _ = matrix_of("Q4_K", random_blocks("Q4_K", 40, 512, seed=9), 512)
-    saturated = np.array(matrix[1])
-    saturated[:8, 16:144] = 0xFF  # the first super-block's quants of 8 rows: every code 15
+def saturated_blocks(name: str, blocks: np.ndarray) -> np.ndarray:
+    """The first super-block of the first 8 rows with every quant at its largest code (Q4_K 15,
+    Q6_K 63)."""
+    out = blocks.copy()
+    if name == "Q4_K":
+        out[:8, 16:144] = 0xFF  # qs
+    else:
+        out[:8, 0:192] = 0xFF  # ql and qh
+    return out
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_is_the_same_on_every_instruction_set(name):
+    """The packed kernels' integer sub-block sums are exact and their fp32 steps those of the scalar
+    path (dots8_q4k_scalar, dots8_q6k_scalar), so every path this CPU has gives its bits, the extreme
+    codes against inputs of +-127 in every column included."""
+    matrix, _ = matrix_of(name, random_blocks(name, 40, 512, seed=9), 512)
+    saturated = (TYPES[name], saturated_blocks(name, np.array(matrix[1])), 40, 512)
     x = np.random.default_rng(10).standard_normal((5, 512)).astype(np.float32)
     x[1] = 127.0
     x[2, ::2] = -127.0
@@ -127,7 +145,7 @@ def test_packed_q4k_is_the_same_on_every_instruction_set():
     try:
         for isa in ("scalar", "avx2", "avx512"):
             if _C.set_cpu_isa(isa):
-                results[isa] = [_C.quant_linear([m], x, 2, packed=True)[0] for m in (matrix, (12, saturated, 40, 512))]
+                results[isa] = [_C.quant_linear([m], x, 2, packed=True)[0] for m in (matrix, saturated)]
     finally:
         _C.set_cpu_isa(previous)
     for isa, ys in results.items():

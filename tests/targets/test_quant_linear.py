@@ -50,14 +50,18 @@ def quantized_input(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * d).reshape(x.shape)
 
 
-def test_input_quantization_matches_its_definition():
-    x = np.random.default_rng(1).standard_normal((3, 96)).astype(np.float32)
+def test_input_quantization_matches_its_definition(cpu_isa):
+    x = np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)
     x[1, :32] = 0  # an all-zero block: scale 0, codes 0
+    # d = 1 exactly: halves round to even (2.5 -> 2, -3.5 -> -4, 0.5 -> 0), +-127 at the ends
+    x[3, :32] = np.float32(127.0)
+    x[3, 1:8] = [2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 126.5]
     q, d, s = _C.quantize_input(x)
-    deq = (q.astype(np.float64).reshape(3, -1, 32) * d[..., None]).reshape(3, 96)
+    deq = (q.astype(np.float64).reshape(4, -1, 32) * d[..., None]).reshape(4, 96)
     np.testing.assert_array_equal(deq, quantized_input(x))
     assert np.abs(q).max() <= 127 and d[1, 0] == 0
-    np.testing.assert_allclose(s, d * q.reshape(3, -1, 32).sum(-1), rtol=1e-6)
+    assert d[3, 0] == 1 and list(q[3, :9]) == [127, 2, -4, 0, 0, 2, -126, 126, 127]
+    np.testing.assert_allclose(s, d * q.reshape(4, -1, 32).sum(-1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
