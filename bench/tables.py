@@ -294,6 +294,7 @@ def vllm_real(draft: str, ks: Sequence[int] = range(1, 6), **where: Any) -> Call
     return render
 
 
+SMOLLM2_Q4_1 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMACPP_MODES = {"ngram-simple": "ngram-simple (n 3, m 8)", "ngram-map-k": "ngram-map-k (n 3, m 8)",
                   "ngram-mod": "ngram-mod", "lookup": "llama-lookup (prompt lookup)"}
 
@@ -315,7 +316,8 @@ def llamacpp_real(drafts: tuple[str, ...], ks: range, per_category: int,
                              f"{p['elsi_fast_replayed_tau']:.3f}", f"{p['acceptance_ratio']:.3f}",
                              f"{row['value']:.1f} ({x(row['ratio'])})"])
         for mode, label in LLAMACPP_MODES.items():
-            row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category, device=cpu)
+            row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category, device=cpu,
+                                target=SMOLLM2_Q4_1)
             accept = row["params"]["mean_acceptance_length"]
             body.append([label, "", f"{accept:.3f}" if accept is not None else "", "", "",
                          f"{row['value']:.1f} ({x(row['ratio'])})"])
@@ -671,10 +673,28 @@ def native_lookup(results: Results) -> list[str]:
         far = "–" if far_row is None else f"{lk}: " + cell(far_row, greedy)
         body.append([model, machine(both["device"]), kind, str(threads), str(k), f"{greedy:.1f}", cell(alone, greedy),
                      cell(both, greedy), far, " / ".join(decode_only(r) for r in (alone, both, far_row) if r),
-                     f"{both['baseline']:.1f}{amx}"])
+                     f"{both['baseline']:.1f}{amx}", llamacpp_best_ngram(results, both)])
     return markdown(["target", "CPU", "file", "threads", "k", "native greedy (tokens/s)", "with the kept draft",
                      "with the draft and the n-gram lookup (k tokens)", "lookup proposing up to K tokens: K, tokens/s",
-                     "decode only, prefill out (the three, against greedy's)", "llama.cpp greedy (tg)"], body)
+                     "decode only, prefill out (the three, against greedy's)", "llama.cpp greedy (tg)",
+                     "llama.cpp's best n-gram mode on the file (vs its greedy)"], body)
+
+
+def llamacpp_best_ngram(results: Results, row: Row) -> str:
+    """The fastest of llama.cpp's n-gram modes on the row's file at its threads and on its prompts
+    (`llamacpp.py measure --target T --question-prompts`), from the latest such run on the same CPU
+    kind; "–" where none was run."""
+    p = row["params"]
+    found = [r for r in results.rows(LLAMACPP.file)
+             if _matches(r, {"benchmark": LLAMACPP.benchmark, "target": p["file"], "threads": p["threads"],
+                             "prompt_set": "bench_native_target"})
+             and r["metric"].split("/")[-1] in LLAMACPP_MODES and machine(r["device"]) == machine(row["device"])]
+    if not found:
+        return "–"
+    latest = max(r["date"] for r in found)
+    best = max((r for r in found if r["date"] == latest), key=lambda r: r["ratio"])
+    results.used.append(best)
+    return f"{best['metric'].split('/')[-1]}: {best['value']:.1f} ({x(best['ratio'])})"
 
 
 def decode_only(row: Row) -> str:

@@ -184,8 +184,49 @@ ELSI_AVX2 void weighted_acc_avx2(const float* s, const float* values, int64_t n,
 }
 
 // ---------------------------------------------------------------- AVX-512
+// dots_avx512 at head_dim 32 * C (64: SmolLM2, 256: Gemma 3): the query held in 2C registers, so a
+// key's multiply-adds load only the key, and two keys at a time. Each key takes the general loop's
+// steps (acc0 over the even 16-column halves, acc1 over the odd ones, their sum reduced), so the
+// scores are its bits.
+template <int C>
+ELSI_AVX512 void dots_avx512_fixed(const float* q, const float* keys, const int64_t* idx, int64_t n, float scale,
+                                   float* s) {
+  constexpr int64_t hd = 32 * C;
+  __m512 qa[C], qb[C];
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) qa[j] = _mm512_loadu_ps(q + 32 * j), qb[j] = _mm512_loadu_ps(q + 32 * j + 16);
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const float* k0 = keys + (idx ? idx[i] : i) * hd;
+    const float* k1 = keys + (idx ? idx[i + 1] : i + 1) * hd;
+    __m512 a0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) {
+      a0 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k0 + 32 * j), a0);
+      b0 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k0 + 32 * j + 16), b0);
+      a1 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k1 + 32 * j), a1);
+      b1 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k1 + 32 * j + 16), b1);
+    }
+    s[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) * scale;
+    s[i + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1)) * scale;
+  }
+  if (i < n) {
+    const float* k0 = keys + (idx ? idx[i] : i) * hd;
+    __m512 a0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) {
+      a0 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k0 + 32 * j), a0);
+      b0 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k0 + 32 * j + 16), b0);
+    }
+    s[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) * scale;
+  }
+}
+
 ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
                              float* s) {
+  if (hd == 64) return dots_avx512_fixed<2>(q, keys, idx, n, scale, s);
+  if (hd == 128) return dots_avx512_fixed<4>(q, keys, idx, n, scale, s);
+  if (hd == 256) return dots_avx512_fixed<8>(q, keys, idx, n, scale, s);
   for (int64_t i = 0; i < n; ++i) {
     const float* key = keys + (idx ? idx[i] : i) * hd;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();

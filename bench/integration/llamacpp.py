@@ -442,7 +442,7 @@ def check(args: argparse.Namespace) -> None:
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    target = smollm2_path()
+    target = smollm2_path() if args.target == "smollm2-135m-instruct" else catalog_path(args.target)
     build(args.jobs, args.sdist)
     model, tokenizer = load_target(target)
     device = f"{cpu_model()} ({args.threads} threads)"
@@ -522,30 +522,49 @@ def export_draft(draft, name: str, dtype: str, target: Path, work: Path) -> Path
     return gguf
 
 
+def catalog_path(name: str) -> Path:
+    """The GGUF file of a named real target (elsi_fast.targets.catalog)."""
+    from elsi_fast.targets import catalog
+
+    try:
+        return catalog.resolve(name)
+    except ValueError as error:
+        raise FileNotFoundError(str(error)) from error
+
+
 def measure(args: argparse.Namespace) -> None:
-    """Trained drafts served by llama.cpp on SmolLM2's own Q4_1 file at each k of --ks: mean acceptance
-    length next to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft,
-    without speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
+    """Trained drafts served by llama.cpp on the target's own file (SmolLM2's Q4_1, or with --target
+    gemma3-270m Gemma 3's Q4_K_M, n-gram modes only) at each k of --ks: mean acceptance length next
+    to elsi-fast's replayed tau on the same prompts, decode tokens/s with the draft, without
+    speculation (llama-bench at the prompts' mean depth) and with the n-gram modes."""
     from bench.common import cpu_model, first_per_category, record
     from elsi_fast.decoding.evaluation import pooled_tau, replay_runs_per_k
     from elsi_fast.draft import read_draft
     from elsi_fast.training.feature_cache import open_cache
     from elsi_fast.training.regenerate import read_conversations
 
-    target = smollm2_path()
+    target = smollm2_path() if args.target == "smollm2-135m-instruct" else catalog_path(args.target)
     build(args.jobs, args.sdist)
     model, tokenizer = load_target(target)
     device = f"{cpu_model()} ({args.threads} threads)"
-    experiment = Path(args.experiment)
-    records = read_conversations(args.eval_conversations or experiment / "eval" / "conversations.jsonl")
-    cache = open_cache(args.eval_cache or experiment / "cache-eval")
-    chosen = first_per_category(records, args.per_category)
     work = Path(args.out) / "measure"
     work.mkdir(parents=True, exist_ok=True)
-    prompts = [tokenizer.decode(records[i]["prompt_ids"]) for i in chosen]
-    depth = round(sum(len(records[i]["prompt_ids"]) for i in chosen) / len(chosen))
+    if args.question_prompts:  # bench_native_target's prompts, as text (llama.cpp adds the BOS itself)
+        from bench.bench_native_target import spec_bench_prompts
+
+        prompt_ids = [ids[1:] if ids[0] == tokenizer.bos_token_id else ids
+                      for ids in spec_bench_prompts(target, args.per_category)]
+    else:
+        experiment = Path(args.experiment)
+        records = read_conversations(args.eval_conversations or experiment / "eval" / "conversations.jsonl")
+        cache = open_cache(args.eval_cache or experiment / "cache-eval")
+        chosen = first_per_category(records, args.per_category)
+        prompt_ids = [records[i]["prompt_ids"] for i in chosen]
+    prompts = [tokenizer.decode(ids) for ids in prompt_ids]
+    depth = round(sum(len(ids) for ids in prompt_ids) / len(prompt_ids))
     _, plain = plain_decode_speed(target, args.n_predict, args.threads, depth)
-    common = {"target": SMOLLM2_FILE, "prompts": len(chosen), "per_category": args.per_category,
+    common = {"target": target.name, "prompts": len(prompts),
+              "prompt_set": "bench_native_target" if args.question_prompts else "evaluation conversations", "per_category": args.per_category,
               "n_predict": args.n_predict, "threads": args.threads, "greedy": True, "stops_at": "end of turn",
               "plain_decode_tokens_per_s": plain, "plain_depth": depth, "note": args.note}
     print(f"without speculation: {plain:.1f} tokens/s (llama-bench tg{args.n_predict} at depth {depth})", flush=True)
@@ -593,6 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=("source", "build", "check", "measure", "verify-cost"))
     p.add_argument("--drafts", nargs="+", default=[], help="`measure`: draft folders (EAGLE3 format) to serve")
+    p.add_argument("--question-prompts", action="store_true",
+                   help="`measure`: bench_native_target's prompts (the first --per-category Spec-Bench questions of each "
+                        "category, chat template, last 512 tokens) instead of the evaluation conversations; n-gram "
+                        "modes only")
+    p.add_argument("--target", choices=("smollm2-135m-instruct", "gemma3-270m"), default="smollm2-135m-instruct",
+                   help="`measure`: the package file to serve (Gemma 3: the n-gram modes only; llama.cpp's gemma3 "
+                        "graph publishes no layer states for an EAGLE3 draft)")
     p.add_argument("--experiment", default=str(ROOT / "runs" / "draft-experiment" / "smollm2-135m-instruct"),
                    help="`measure`: the draft experiment's folder (its evaluation continuations and their cache)")
     p.add_argument("--eval-conversations", type=Path, default=None,
@@ -615,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-predict", type=int, default=128)
     p.add_argument("--depth", type=int, default=256, help="`verify-cost`: tokens of context before the timed forward")
     args = p.parse_args(argv)
+    if args.question_prompts and args.drafts:
+        p.error("--drafts: the draft rows replay the evaluation conversations; measure them without --question-prompts")
+    if args.target != "smollm2-135m-instruct" and args.drafts:
+        p.error(f"--drafts: llama.cpp cannot serve an EAGLE3 draft on {args.target} (its graph publishes no layer "
+                "states); measure its n-gram modes without --drafts")
     try:
         if args.stage == "source":
             print(source_dir(args.sdist))

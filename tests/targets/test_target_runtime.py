@@ -109,7 +109,7 @@ def reference_attention(q, k, v, visible, scale):
     return out
 
 
-@pytest.mark.parametrize("hd, keys", [(40, 37), (64, 300)], ids=["hd40", "hd64-tiles"])
+@pytest.mark.parametrize("hd, keys", [(40, 37), (64, 300), (256, 70)], ids=["hd40", "hd64-tiles", "hd256-tiles"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
 def test_attention_matches_float64_and_rows_are_independent(masked, hd, keys, cpu_isa):
     """Without a mask and with a vector-wide head_dim the pairs of a KV head share key tiles (300 keys
@@ -135,6 +135,22 @@ def test_attention_matches_float64_and_rows_are_independent(masked, hd, keys, cp
                 q[:, :, t:t + 1], k[:, :, :end].contiguous(), v[:, :, :end].contiguous(),
                 None if mask is None else mask[t:t + 1, :end].contiguous(), hd ** -0.5, True, 1)
             assert torch.equal(out[:, t], alone[:, 0]), (rows, t)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_attention_fixed_head_dims_give_the_general_loops_bits(hd, cpu_isa):
+    """head_dim 64, 128 and 256 have their own score kernels (the query held in registers); padded
+    with 32 zero columns the same attention runs the general loop, whose scores carry the same steps
+    plus exact zeros, so the first hd columns agree bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    keys, rows = 45, 3
+    q = torch.randn(1, 4, rows, hd, generator=gen)
+    k, v = (torch.randn(1, 2, keys, hd, generator=gen) for _ in range(2))
+    pad = lambda x: torch.nn.functional.pad(x, (0, 32)).contiguous()  # noqa: E731
+    for threads in (1, 2):
+        out = torch.ops.elsi_fast.decode_attention.default(q, k, v, None, hd ** -0.5, True, threads)
+        padded = torch.ops.elsi_fast.decode_attention.default(pad(q), pad(k), pad(v), None, hd ** -0.5, True, threads)
+        assert torch.equal(out, padded[..., :hd])
 
 
 # ----------------------------------------------------------------------------- rms_norm
