@@ -388,42 +388,44 @@ bool packs_rows8(int32_t type, int64_t rows) {
 }
 
 namespace {
+// Calls pack(dst, src, i) for row i of every group of 8 rows and every 256-column super-block: src
+// the row's file block of `block_bytes`, dst the group's packed super-block (8 blocks' bytes).
+template <typename Pack>
+void pack_super_blocks(const QuantMatrix& m, int64_t block_bytes, uint8_t* out, Pack pack) {
+  const int64_t supers = m.cols / 256;
+  for (int64_t g = 0; g < m.rows / 8; ++g)
+    for (int64_t s = 0; s < supers; ++s)
+      for (int i = 0; i < 8; ++i)
+        pack(out + (g * supers + s) * 8 * block_bytes, m.data + (g * 8 + i) * m.row_bytes() + s * block_bytes, i);
+}
+
+// Row i's `runs` 32-byte runs at src as vectors [4 bytes][8 rows]: bytes 4v .. 4v + 3 of run r go to
+// dst + 256 r + 32 v + 4 i.
+void scatter_runs(uint8_t* dst, const uint8_t* src, int runs, int i) {
+  for (int r = 0; r < runs; ++r)
+    for (int v = 0; v < 8; ++v) std::memcpy(dst + 256 * r + 32 * v + 4 * i, src + 32 * r + 4 * v, 4);
+}
+
 // Q4_K's group layout (quant_dots_rows8.inc, dots8_q4k): per super-block the 8 rows' d, dmin, scale
 // words 0, 1 and 2 (each as 8 x 4 bytes), then per pair of sub-blocks the 32 quant bytes as 8
 // vectors [4 bytes][8 rows].
 void pack_rows8_q4k(const QuantMatrix& m, uint8_t* out) {
-  const int64_t supers = m.cols / 256;
-  for (int64_t g = 0; g < m.rows / 8; ++g)
-    for (int64_t s = 0; s < supers; ++s) {
-      uint8_t* dst = out + (g * supers + s) * kQ4KGroupBytes;
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + s * 144;
-        std::memcpy(dst + 2 * i, src, 2);            // d
-        std::memcpy(dst + 16 + 2 * i, src + 2, 2);   // dmin
-        for (int k = 0; k < 3; ++k) std::memcpy(dst + 32 + 32 * k + 4 * i, src + 4 + 4 * k, 4);
-        for (int p = 0; p < 4; ++p)
-          for (int v = 0; v < 8; ++v)
-            std::memcpy(dst + kQ4KGroupHead + 256 * p + 32 * v + 4 * i, src + 16 + 32 * p + 4 * v, 4);
-      }
-    }
+  pack_super_blocks(m, 144, out, [](uint8_t* dst, const uint8_t* src, int i) {
+    std::memcpy(dst + 2 * i, src, 2);           // d
+    std::memcpy(dst + 16 + 2 * i, src + 2, 2);  // dmin
+    for (int k = 0; k < 3; ++k) std::memcpy(dst + 32 + 32 * k + 4 * i, src + 4 + 4 * k, 4);
+    scatter_runs(dst + kQ4KGroupHead, src + 16, 4, i);
+  });
 }
 
 // Q6_K's group layout (dots8_q6k): per super-block the 8 rows' d and 16 int8 scales, then ql's four
-// 32-byte runs and qh's two, each as 8 vectors [4 bytes][8 rows].
+// 32-byte runs (bytes 0-127 of the file block) and qh's two (128-191), as scatter_runs lays them.
 void pack_rows8_q6k(const QuantMatrix& m, uint8_t* out) {
-  const int64_t supers = m.cols / 256;
-  for (int64_t g = 0; g < m.rows / 8; ++g)
-    for (int64_t s = 0; s < supers; ++s) {
-      uint8_t* dst = out + (g * supers + s) * kQ6KGroupBytes;
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t* src = m.data + (g * 8 + i) * m.row_bytes() + s * 210;
-        std::memcpy(dst + 2 * i, src + 208, 2);  // d
-        for (int j = 0; j < 16; ++j) dst[16 + 8 * j + i] = src[192 + j];
-        for (int run = 0; run < 6; ++run)  // ql's runs 0-3 (bytes 0-127), qh's 4-5 (bytes 128-191)
-          for (int v = 0; v < 8; ++v)
-            std::memcpy(dst + kQ6KGroupHead + 256 * run + 32 * v + 4 * i, src + 32 * run + 4 * v, 4);
-      }
-    }
+  pack_super_blocks(m, 210, out, [](uint8_t* dst, const uint8_t* src, int i) {
+    std::memcpy(dst + 2 * i, src + 208, 2);  // d
+    for (int j = 0; j < 16; ++j) dst[16 + 8 * j + i] = src[192 + j];
+    scatter_runs(dst + kQ6KGroupHead, src, 6, i);
+  });
 }
 }  // namespace
 
