@@ -317,7 +317,7 @@ def llamacpp_real(drafts: tuple[str, ...], ks: range, per_category: int,
                              f"{row['value']:.1f} ({x(row['ratio'])})"])
         for mode, label in LLAMACPP_MODES.items():
             row = LLAMACPP.pick(results, f"decode_tokens_per_s/{mode}", per_category=per_category, device=cpu,
-                                target=SMOLLM2_Q4_1)
+                                target=SMOLLM2_Q4_1, prompt_set=None)  # the evaluation conversations' runs
             accept = row["params"]["mean_acceptance_length"]
             body.append([label, "", f"{accept:.3f}" if accept is not None else "", "", "",
                          f"{row['value']:.1f} ({x(row['ratio'])})"])
