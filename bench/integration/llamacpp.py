@@ -442,7 +442,7 @@ def check(args: argparse.Namespace) -> None:
 
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    target = smollm2_path() if args.target == "smollm2-135m-instruct" else catalog_path(args.target)
+    target = smollm2_path()
     build(args.jobs, args.sdist)
     model, tokenizer = load_target(target)
     device = f"{cpu_model()} ({args.threads} threads)"
