@@ -46,6 +46,10 @@ struct Kernels {
   // acc[c] += s[i] * value i [c] for the n contiguous keys, in weighted's order per column (null: the
   // pairs run one by one); `width` divides the head_dim it takes.
   void (*weighted_acc)(const float* s, const float* values, int64_t n, int64_t hd, float* acc);
+  // the same for two pairs at once (sa, acc_a and sb, acc_b), each with its one-pair bits (null: one
+  // pair at a time)
+  void (*weighted_acc2)(const float* sa, const float* sb, const float* values, int64_t n, int64_t hd, float* acc_a,
+                        float* acc_b);
   int64_t width;
 };
 
@@ -184,10 +188,23 @@ ELSI_AVX2 void weighted_acc_avx2(const float* s, const float* values, int64_t n,
 }
 
 // ---------------------------------------------------------------- AVX-512
+// One key's dot as every key gets it on AVX-512 (before its horizontal sum): acc0 over the even
+// 16-column halves, acc1 over the odd ones, at head_dim 32 * C with the query in registers.
+template <int C>
+ELSI_AVX512 inline __m512 key_dot_fixed(const __m512* qa, const __m512* qb, const float* key) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) {
+    a = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(key + 32 * j), a);
+    b = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(key + 32 * j + 16), b);
+  }
+  return _mm512_add_ps(a, b);
+}
+
 // dots_avx512 at head_dim 32 * C (64: SmolLM2, 256: Gemma 3): the query held in 2C registers, so a
-// key's multiply-adds load only the key, and two keys at a time. Each key takes the general loop's
-// steps (acc0 over the even 16-column halves, acc1 over the odd ones, their sum reduced), so the
-// scores are its bits.
+// key's multiply-adds load only the key, and the horizontal sums of 16 keys at once
+// (simd::hsum16x16; at head_dim 64 one key's sum alone cost twice its 4 multiply-adds). Each key
+// takes the general loop's steps, so the scores are its bits.
 template <int C>
 ELSI_AVX512 void dots_avx512_fixed(const float* q, const float* keys, const int64_t* idx, int64_t n, float scale,
                                    float* s) {
@@ -196,30 +213,13 @@ ELSI_AVX512 void dots_avx512_fixed(const float* q, const float* keys, const int6
 #pragma GCC unroll 8
   for (int j = 0; j < C; ++j) qa[j] = _mm512_loadu_ps(q + 32 * j), qb[j] = _mm512_loadu_ps(q + 32 * j + 16);
   int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const float* k0 = keys + (idx ? idx[i] : i) * hd;
-    const float* k1 = keys + (idx ? idx[i + 1] : i + 1) * hd;
-    __m512 a0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int j = 0; j < C; ++j) {
-      a0 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k0 + 32 * j), a0);
-      b0 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k0 + 32 * j + 16), b0);
-      a1 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k1 + 32 * j), a1);
-      b1 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k1 + 32 * j + 16), b1);
-    }
-    s[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) * scale;
-    s[i + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1)) * scale;
+  for (; i + 16 <= n; i += 16) {
+    __m512 sums[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) sums[r] = key_dot_fixed<C>(qa, qb, keys + (idx ? idx[i + r] : i + r) * hd);
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(simd::hsum16x16(sums), _mm512_set1_ps(scale)));
   }
-  if (i < n) {
-    const float* k0 = keys + (idx ? idx[i] : i) * hd;
-    __m512 a0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int j = 0; j < C; ++j) {
-      a0 = _mm512_fmadd_ps(qa[j], _mm512_loadu_ps(k0 + 32 * j), a0);
-      b0 = _mm512_fmadd_ps(qb[j], _mm512_loadu_ps(k0 + 32 * j + 16), b0);
-    }
-    s[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) * scale;
-  }
+  for (; i < n; ++i) s[i] = simd::hsum16(key_dot_fixed<C>(qa, qb, keys + (idx ? idx[i] : i) * hd)) * scale;
 }
 
 ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* idx, int64_t n, int64_t hd, float scale,
@@ -239,7 +239,7 @@ ELSI_AVX512 void dots_avx512(const float* q, const float* keys, const int64_t* i
       acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(key + c), acc0);
       c += 16;
     }
-    float dot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    float dot = simd::hsum16(_mm512_add_ps(acc0, acc1));
     for (; c < hd; ++c) dot += q[c] * key[c];
     s[i] = dot * scale;
   }
@@ -254,7 +254,7 @@ ELSI_AVX512 float exp_sum_avx512(float* s, int64_t n, float top) {
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  return simd::hsum16(sum);
 }
 
 ELSI_AVX512 void weighted_avx512(const float* s, const float* values, const int64_t* idx, int64_t n, int64_t hd,
@@ -310,14 +310,48 @@ ELSI_AVX512 void weighted_acc_avx512(const float* s, const float* values, int64_
   }
 }
 
+// weighted_acc_avx512 for two pairs over the same keys: each value vector is loaded once for both
+// (the loads, not the multiply-adds, bounded it), and each pair's sums take the steps they take
+// alone, in the same order.
+ELSI_AVX512 void weighted_acc2_avx512(const float* sa, const float* sb, const float* values, int64_t n, int64_t hd,
+                                      float* acc_a, float* acc_b) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64) {
+    __m512 a[4], b[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc_a + c0 + 16 * k), b[k] = _mm512_loadu_ps(acc_b + c0 + 16 * k);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 pa = _mm512_set1_ps(sa[i]), pb = _mm512_set1_ps(sb[i]);
+      const float* v = values + i * hd + c0;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m512 x = _mm512_loadu_ps(v + 16 * k);
+        a[k] = _mm512_fmadd_ps(pa, x, a[k]);
+        b[k] = _mm512_fmadd_ps(pb, x, b[k]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc_a + c0 + 16 * k, a[k]), _mm512_storeu_ps(acc_b + c0 + 16 * k, b[k]);
+  }
+  for (; c0 + 16 <= hd; c0 += 16) {
+    __m512 a = _mm512_loadu_ps(acc_a + c0), b = _mm512_loadu_ps(acc_b + c0);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 x = _mm512_loadu_ps(values + i * hd + c0);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(sa[i]), x, a);
+      b = _mm512_fmadd_ps(_mm512_set1_ps(sb[i]), x, b);
+    }
+    _mm512_storeu_ps(acc_a + c0, a), _mm512_storeu_ps(acc_b + c0, b);
+  }
+}
+
 // out = acc * inv, as weighted's last step.
 ELSI_AVX2 void scale_out_avx2(const float* acc, int64_t hd, float inv, float* out) {
   for (int64_t c = 0; c < hd; c += 8) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), _mm256_set1_ps(inv)));
 }
 
-const Kernels kScalar{dots_scalar, exp_sum_scalar, weighted_scalar, nullptr, 1};
-const Kernels kAvx2{dots_avx2, exp_sum_avx2, weighted_avx2, weighted_acc_avx2, 8};
-const Kernels kAvx512{dots_avx512, exp_sum_avx512, weighted_avx512, weighted_acc_avx512, 16};
+const Kernels kScalar{dots_scalar, exp_sum_scalar, weighted_scalar, nullptr, nullptr, 1};
+const Kernels kAvx2{dots_avx2, exp_sum_avx2, weighted_avx2, weighted_acc_avx2, nullptr, 8};
+const Kernels kAvx512{dots_avx512, exp_sum_avx512, weighted_avx512, weighted_acc_avx512, weighted_acc2_avx512, 16};
 
 struct Call {
   const DecodeAttention* a;
@@ -408,12 +442,29 @@ void attend_pairs(void* ctx, int64_t item) {
     float* si = s.data() + offset[i];
     inv[i] = 1.0f / c.k->exp_sum(si, n, *std::max_element(si, si + n));
   }
-  for (int64_t k0 = lo; k0 < hi; k0 += tile)  // weighted values
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t from = std::max(k0, first[i]), to = std::min(k0 + tile, end[i]);
-      if (from < to)
-        c.k->weighted_acc(s.data() + offset[i] + (from - first[i]), values + from * hd, to - from, hd,
-                          acc.data() + i * hd);
+  // weighted values: pair i's keys [from, to) of the tile, in order; two pairs at a time over the keys
+  // both see (they differ at most at the edges: a causal row sees one key more than the row before)
+  auto weigh = [&](int64_t i, int64_t from, int64_t to) {
+    if (from < to)
+      c.k->weighted_acc(s.data() + offset[i] + (from - first[i]), values + from * hd, to - from, hd, acc.data() + i * hd);
+  };
+  for (int64_t k0 = lo; k0 < hi; k0 += tile)
+    for (int64_t i = 0; i < count; i += 2) {
+      const int64_t fa = std::max(k0, first[i]), ta = std::min(k0 + tile, end[i]);
+      if (i + 1 == count) {
+        weigh(i, fa, ta);
+        continue;
+      }
+      const int64_t fb = std::max(k0, first[i + 1]), tb = std::min(k0 + tile, end[i + 1]);
+      const int64_t from = std::max(fa, fb), to = std::min(ta, tb);
+      if (c.k->weighted_acc2 == nullptr || from >= to) {
+        weigh(i, fa, ta), weigh(i + 1, fb, tb);
+        continue;
+      }
+      weigh(i, fa, from), weigh(i + 1, fb, from);
+      c.k->weighted_acc2(s.data() + offset[i] + (from - first[i]), s.data() + offset[i + 1] + (from - first[i + 1]),
+                         values + from * hd, to - from, hd, acc.data() + i * hd, acc.data() + (i + 1) * hd);
+      weigh(i, to, ta), weigh(i + 1, to, tb);
     }
   for (int64_t i = 0; i < count; ++i) {
     const int64_t p = p0 + i, h = kv * group + p / a.rows, t = p % a.rows;

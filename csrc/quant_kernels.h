@@ -11,8 +11,11 @@ namespace elsi_fast::quant {
 // Most input rows one kernel call handles (QuantInput::s8 groups rows by it).
 constexpr int kMaxRows = 8;
 // Software prefetch distance along the weight stream (a chunk's rows lie back to back): on a 2-core
-// Zen 3 it took a 1-row product from 10.8 to 8.8 ms CPU time over SmolLM2's Q4_1 layers.
-constexpr int64_t kPrefetchBytes = 4096;
+// Zen 3, 4 KB took a 1-row product from 10.8 to 8.8 ms CPU time over SmolLM2's Q4_1 layers. On the
+// Sapphire Rapids VM, 8 KB took Gemma 3's 8-row Q8_0 head from 13.2 to 10.3 ms on one thread and
+// its 1-row head at two threads from 4.5 to 3.6 ms (docs/native-target.md); 3-4 KB was the worst
+// distance there, 8-16 KB about equal.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One weight row of `blocks` 32-column blocks (a super-block type: 8 per super-block) times the B
 // input rows m0 .. m0 + B - 1 of x: out[m]. Tables index by B (entry 0 unused).
