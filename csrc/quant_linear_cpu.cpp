@@ -238,7 +238,8 @@ const Kernels kAvx512{"avx512", kMaxRows,
                        avx512::kDots8<GgmlType::kQ8_0>, avx512::kDots8<GgmlType::kQ5_0>, avx512::kDots8Q4K,
                        avx512::kDots8Q6K},
                       {avx512::kDots16<GgmlType::kQ4_0>, avx512::kDots16<GgmlType::kQ4_1>,
-                       avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>},
+                       avx512::kDots16<GgmlType::kQ8_0>, avx512::kDots16<GgmlType::kQ5_0>, avx512::kDots16Q4K,
+                       avx512::kDots16Q6K},
                       avx512::quantize_block};
 
 const Kernels& active_kernels() {
