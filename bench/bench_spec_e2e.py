@@ -172,10 +172,11 @@ def bench_parts(args, model, draft, records: list[dict], dev: str, conditions: d
     def native_extend(decoder, n: int) -> Callable[[], None]:
         rows = torch.randn(n, width)
 
-        def run() -> None:
+        def run() -> None:  # as `speculative._NativeDraftPath.extend`: the last position drafts
             decoder.length = context
-            for row in rows:
-                decoder.step(row, 7, from_target=True)
+            for row in rows[:-1]:
+                decoder.cache_position(row, 7)
+            decoder.step(rows[-1], 7, from_target=True)
         return run
 
     cache = draft.new_cache(context + 64)

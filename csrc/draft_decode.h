@@ -73,7 +73,8 @@ struct DraftStep {
   ActType cache_type;
   void* k_cache;
   void* v_cache;
-  int64_t top_k;
+  int64_t top_k;        // CPU: 0 writes the position's key and value only (an accepted run's positions
+                        // before its last need nothing else), out_ids and out_hidden untouched
   int64_t* out_ids;     // [top_k] target-vocabulary ids, best first
   void* out_hidden;     // [d] pre-norm hidden state fed back to the next step
 };

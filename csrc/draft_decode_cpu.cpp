@@ -611,6 +611,22 @@ void attend_head(const float* q, const C* keys, const C* values, int64_t ctx, in
   }
 }
 
+// RoPE of KV head `kv`'s new key (qkv: q heads, then k heads, then v heads) and its key and value
+// into cache slot step.position.
+template <typename C>
+void append_kv(const DraftDims& dims, const DraftStep& step, const float* rope, int64_t kv, float* qkv) {
+  const int64_t hd = dims.head_dim, nh = dims.num_heads, nkv = dims.num_kv_heads;
+  float* new_k = qkv + (nh + kv) * hd;
+  const float* new_v = qkv + (nh + nkv + kv) * hd;
+  apply_rope(new_k, rope, rope + hd / 2, hd / 2);
+  C* keys = static_cast<C*>(step.k_cache) + (kv * dims.max_len + step.position) * hd;
+  C* values = static_cast<C*>(step.v_cache) + (kv * dims.max_len + step.position) * hd;
+  for (int64_t i = 0; i < hd; ++i) {
+    store(keys + i, new_k[i]);
+    store(values + i, new_v[i]);
+  }
+}
+
 // RoPE, cache append and attention of KV head `kv` and its group of query heads.
 template <typename C>
 void attend_group(const DraftDims& dims, const DraftStep& step, const float* rope, int64_t kv, float* qkv,
@@ -618,15 +634,9 @@ void attend_group(const DraftDims& dims, const DraftStep& step, const float* rop
   const int64_t hd = dims.head_dim, half = hd / 2, nh = dims.num_heads, nkv = dims.num_kv_heads;
   const int64_t ctx = step.position + 1, group = nh / nkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  float* new_k = qkv + (nh + kv) * hd;
-  const float* new_v = qkv + (nh + nkv + kv) * hd;
-  apply_rope(new_k, rope, rope + half, half);
-  C* keys = static_cast<C*>(step.k_cache) + kv * dims.max_len * hd;
-  C* values = static_cast<C*>(step.v_cache) + kv * dims.max_len * hd;
-  for (int64_t i = 0; i < hd; ++i) {
-    store(keys + step.position * hd + i, new_k[i]);
-    store(values + step.position * hd + i, new_v[i]);
-  }
+  append_kv<C>(dims, step, rope, kv, qkv);
+  const C* keys = static_cast<const C*>(step.k_cache) + kv * dims.max_len * hd;
+  const C* values = static_cast<const C*>(step.v_cache) + kv * dims.max_len * hd;
   for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
     apply_rope(qkv + head * hd, rope, rope + half, half);
     attend_head(qkv + head * hd, keys, values, ctx, hd, scale, scores + head * ctx, attn + head * hd);
@@ -742,6 +752,14 @@ void draft_decode_step_cpu(const DraftDims& dims, const DraftWeights& w, const D
   rms_norm_act(w.embed_type, static_cast<const char*>(w.embed) + row, w.norms + d, d, dims.eps, x2.data());
   rms_norm(hidden_in, w.norms, d, dims.eps, x2.data() + d);
   const GemvInput x2_in = in.of(x2.data(), 2 * d);
+  if (k == 0) {  // cache only (DraftStep::top_k): the position's key and value, nothing that reads them
+    gemv(threads, dots, {w.matrix[kK], w.scale[kK], kv_width, nullptr, qkv.data() + q_width}, 2 * d, x2_in);
+    gemv(threads, dots, {w.matrix[kV], w.scale[kV], kv_width, nullptr, qkv.data() + q_width + kv_width}, 2 * d, x2_in);
+    for (int64_t kv = 0; kv < nkv; ++kv)
+      step.cache_type == ActType::kBFloat16 ? append_kv<uint16_t>(dims, step, rope.data(), kv, qkv.data())
+                                            : append_kv<float>(dims, step, rope.data(), kv, qkv.data());
+    return;
+  }
   if (step.cache_type == ActType::kBFloat16)
     qkv_attention<uint16_t>(threads, dots, w, dims, step, rope.data(), x2_in, chunks_left.get(), qkv.data(),
                             scores.data(), attn.data());

@@ -149,7 +149,7 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& token, const at::Ten
   check_tensor(embed, "embed", device, {embed.size(0), d});
   check_dtype(d2t, "d2t", {at::kLong});
   check_tensor(d2t, "d2t", device, {dims.draft_vocab});
-  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= dims.draft_vocab, kOp, ": top_k must be in [1, ",
+  TORCH_CHECK_VALUE(top_k >= 0 && top_k <= dims.draft_vocab, kOp, ": top_k must be in [0, ",
                     dims.draft_vocab, "], got ", top_k);
 
   DraftWeights w{};
@@ -201,7 +201,8 @@ std::tuple<at::Tensor, at::Tensor> draft_decode_step_cpu_op(
                     " but the cache holds ", p.dims.max_len, " slots");
 
   at::Tensor ids = at::empty({top_k}, input.options().dtype(at::kLong));
-  at::Tensor hidden = at::empty({p.dims.hidden}, input.options());
+  // top_k 0: the cache-only step (draft_decode.h), which returns no hidden state
+  at::Tensor hidden = at::empty({top_k == 0 ? 0 : p.dims.hidden}, input.options());
   DraftStep step = make_step(input, from_target, k_cache, v_cache, top_k, ids, hidden);
   step.token = tok;
   step.position = pos;
@@ -334,6 +335,7 @@ std::tuple<at::Tensor, at::Tensor> draft_decode_step_cuda_op(
                    ": the CUDA kernel takes bfloat16 weights, got ", weights[0].scalar_type());
   TORCH_CHECK_VALUE(p.weights.layout == WeightLayout::kRowMajor, kOp,
                     ": the CUDA kernel takes row-major (2-D) weights, got packed ones");
+  TORCH_CHECK_VALUE(top_k >= 1, kOp, ": the CUDA kernel has no cache-only step (top_k 0)");
   TORCH_CHECK_VALUE(top_k <= kMaxCudaTopK, kOp, ": the CUDA kernel supports top_k <= ",
                     kMaxCudaTopK, ", got ", top_k);
   // Token and position stay on the device (no host sync) so the step can be graph-captured; the

@@ -24,8 +24,9 @@ draft steps, a copied passage is often accepted whole, and the verify forward of
 on a CPU costs little more for 9 positions than for 5 (docs/native-target.md, "Prompt lookup").
 
 Draft paths. Native (`draft.native.NativeDraftDecoder`, weights in fp32, bf16 or int8): every
-proposal and the re-extension over the 1 .. k+1 accepted positions are fused decode steps (a loop
-of `from_target=True` steps for the latter); a prompt longer than `NATIVE_EXTEND_MAX` tokens is
+proposal and the re-extension over the 1 .. k+1 accepted positions are fused decode steps (for the
+latter, key-and-value-only steps, `NativeDraftDecoder.cache_position`, then one `from_target=True`
+step from the last position); a prompt longer than `NATIVE_EXTEND_MAX` tokens is
 prefilled by one torch extend of the draft module whose keys and values go into the decoder's
 cache (`NativeDraftDecoder.prefill`). Whether a draft runs natively is `draft.native.plan_decoder`'s
 answer. Torch: `Eagle3Draft.extend` over each run of target positions and the torch `decode_step`
@@ -258,7 +259,8 @@ class _TorchDraftPath:
 class _NativeDraftPath:
     """A `NativeDraftDecoder`: one fused step per draft position, target-fed or draft-fed.
 
-    Re-extension over the 1 .. k+1 accepted positions is a loop of `from_target=True` steps; a
+    Re-extension over the 1 .. k+1 accepted positions caches all but the last (`cache_position`: the
+    key and value only) and drafts from the last with a `from_target=True` step; a
     span of more than `NATIVE_EXTEND_MAX` positions (the prompt prefill) is one torch extend whose
     keys/values go into the decoder's cache (`NativeDraftDecoder.prefill`): bench/bench_spec_e2e.py
     times both against the torch extend.
@@ -277,8 +279,10 @@ class _NativeDraftPath:
             return int(top[0]), hidden
         if aux.dtype not in (torch.float32, torch.bfloat16):
             aux = aux.float()  # e.g. an fp16 target: the kernels read fp32 or bf16 features
-        for feature, token in zip(aux[0], ids[0].tolist()):
-            top, hidden = self.decoder.step(feature, token, from_target=True)
+        *run, last = zip(aux[0], ids[0].tolist())
+        for feature, token in run:  # the accepted positions before the last are only cached
+            self.decoder.cache_position(feature, token)
+        top, hidden = self.decoder.step(*last, from_target=True)
         self.steps += ids.shape[1]
         return int(top[0]), hidden
 

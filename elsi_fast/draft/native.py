@@ -66,7 +66,8 @@ if _C is not None:
     @torch.library.register_fake("elsi_fast::draft_decode_step")
     def _draft_decode_step_fake(input, token, position, k_cache, v_cache, embed, weights, scales, norms,
                                 inv_freq, d2t, from_target, num_heads, fc_in, intermediate, eps, top_k):
-        return input.new_empty((top_k,), dtype=torch.int64), input.new_empty((norms.shape[1],))
+        # top_k 0: the cache-only step, no hidden state (csrc/draft_decode.h)
+        return input.new_empty((top_k,), dtype=torch.int64), input.new_empty((norms.shape[1] if top_k else 0,))
 
 
 def available(device: torch.device | str) -> bool:
@@ -320,6 +321,19 @@ class NativeDraftDecoder:
             raise ValueError(f"length must be an int in [0, {self.length}], got {length!r}")
         self.length = length
 
+    def cache_position(self, aux: Tensor, token: int | Tensor) -> None:
+        """Caches position `length` from target features [m * d_t] and their paired token without
+        drafting from it: only its key and value, what later positions read. A run of accepted
+        positions needs its last one's draft only (`step`), so the fused kernel skips the rest of the
+        layer and the draft vocabulary's products for the others (csrc/draft_decode.h, top_k 0); the
+        cache holds the bits `step` would have written. The CUDA kernel has no such step and runs a
+        whole one."""
+        if self.device.type == "cuda":
+            self.step(aux, token, from_target=True)
+            return
+        self._check_step_input(aux, True)
+        self._advance(aux, token, True, 0)
+
     def step(self, hidden_or_aux: Tensor, token: int | Tensor, from_target: bool,
              top_k: int = 1) -> tuple[Tensor, Tensor]:
         """One draft token at position `length`.
@@ -328,6 +342,14 @@ class NativeDraftDecoder:
         hidden_out [d] (leading singleton dims allowed), fp32 or bf16; token: the id paired with it.
         Returns (target ids [top_k] int64 best first, hidden_out [d] in the input's dtype).
         """
+        self._check_step_input(hidden_or_aux, from_target)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.config.draft_vocab_size:
+            raise ValueError(f"top_k must be an int in [1, {self.config.draft_vocab_size}], got {top_k!r}")
+        if self.device.type == "cuda" and top_k > MAX_CUDA_TOP_K:
+            raise ValueError(f"the CUDA kernel supports top_k <= {MAX_CUDA_TOP_K}, got {top_k}")
+        return self._advance(hidden_or_aux, token, from_target, top_k)
+
+    def _check_step_input(self, hidden_or_aux: Tensor, from_target: bool) -> None:
         if not isinstance(hidden_or_aux, Tensor):
             raise TypeError(f"hidden_or_aux must be a Tensor, got {type(hidden_or_aux).__name__}")
         width = self.config.fc_in_features if from_target else self.config.hidden_size
@@ -338,13 +360,13 @@ class NativeDraftDecoder:
             raise TypeError(f"hidden_or_aux must be float32 or bfloat16, got {hidden_or_aux.dtype}")
         if hidden_or_aux.device != self.device:
             raise ValueError(f"hidden_or_aux is on {hidden_or_aux.device} but the decoder is on {self.device}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.config.draft_vocab_size:
-            raise ValueError(f"top_k must be an int in [1, {self.config.draft_vocab_size}], got {top_k!r}")
-        if self.device.type == "cuda" and top_k > MAX_CUDA_TOP_K:
-            raise ValueError(f"the CUDA kernel supports top_k <= {MAX_CUDA_TOP_K}, got {top_k}")
         if self.length >= self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} positions cached and max_len={self.max_len}; "
                              f"create the decoder with a larger max_len or truncate()")
+
+    def _advance(self, hidden_or_aux: Tensor, token: int | Tensor, from_target: bool,
+                 top_k: int) -> tuple[Tensor, Tensor]:
+        """Runs the fused step at position `length` (inputs checked) and moves past it."""
         _as_token(token, self._token)
         self._position.fill_(self.length)
         team, previous = self._team() if self.device.type == "cpu" else None, torch.get_num_threads()

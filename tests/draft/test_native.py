@@ -288,6 +288,54 @@ def test_result_is_independent_of_thread_count(weight_dtype):
 
 
 @requires_native
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("shape_name", ["gqa", "ragged", "mha_m3"])
+def test_cached_positions_hold_the_steps_bits(shape_name, weight_dtype, cpu_isa):
+    """A run of accepted positions cached with cache_position (key and value only) and then one
+    step from its last position leaves the cache and the outputs that a step at every position
+    leaves, bit for bit, and the draft-fed steps after it agree too."""
+    draft = make_draft(SHAPES[shape_name], seed=7)
+    gen = torch.Generator().manual_seed(8)
+    run = [(torch.randn(draft.config.fc_in_features, generator=gen), int(torch.randint(50, (1,), generator=gen)))
+           for _ in range(4)]
+    prefix = make_steps(draft, 4, seed=9)
+    stepped, cached = (native.NativeDraftDecoder(draft, weight_dtype, max_len=12) for _ in range(2))
+    for decoder in (stepped, cached):
+        run_decoder(decoder, prefix, top_k=2)
+    for x, token in run:
+        want = stepped.step(x, token, from_target=True, top_k=3)
+    for x, token in run[:-1]:
+        assert cached.cache_position(x, token) is None
+    got = cached.step(*run[-1], from_target=True, top_k=3)
+    assert cached.length == stepped.length == 8
+    assert torch.equal(cached._k_cache, stepped._k_cache) and torch.equal(cached._v_cache, stepped._v_cache)
+    for (ids, hidden), (ref_ids, ref_hidden) in [(got, want)] + list(zip(
+            run_decoder(cached, [(got[1], int(got[0][0]), False)] * 3, top_k=2),
+            run_decoder(stepped, [(want[1], int(want[0][0]), False)] * 3, top_k=2))):
+        assert torch.equal(ids, ref_ids) and torch.equal(hidden, ref_hidden)
+
+
+@requires_native
+def test_cache_only_op_writes_a_bf16_cache_as_a_step_does(cpu_isa):
+    """The op's cache-only form (top_k 0) on bf16 caches: the slot a whole step writes, and no
+    hidden state back."""
+    draft = make_draft(SHAPES["gqa"], seed=17)
+    decoder = native.NativeDraftDecoder(draft, "int8", max_len=3)
+    x = torch.randn(draft.config.fc_in_features)
+    decoder._position.fill_(1)
+    caches = {}
+    for top_k in (1, 0):
+        k_cache, v_cache = (torch.zeros_like(decoder._k_cache, dtype=torch.bfloat16) for _ in range(2))
+        args = op_args(decoder, x)
+        args[3], args[4], args[-1] = k_cache, v_cache, top_k
+        ids, hidden = native._op()(*args)
+        assert ids.shape == (top_k,) and hidden.shape == ((draft.config.hidden_size,) if top_k else (0,))
+        caches[top_k] = (k_cache, v_cache)
+    assert caches[1][0][:, 1].abs().sum() > 0
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@requires_native
 def test_decoder_matches_module_in_free_running_decode():
     """NativeDraftDecoder fp32 generates the same tokens as the module over many fed-back steps."""
     draft = make_draft(SHAPES["mha_m3"], seed=11)
