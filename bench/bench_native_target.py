@@ -5,7 +5,7 @@ contender once; medians over --rounds):
   llama.cpp   llama-bench's tg test (-p 0 -n --tokens -r 1: a fresh context, --tokens one-token
               decodes), its tokens/s;
   native      `elsi_fast.targets.native_forward.NativeForward`: one BOS token, then --tokens greedy
-              one-token forwards (logits of the row, argmax in numpy), wall time.
+              one-token forwards (`NativeForward.forward_greedy`: the row's argmax in C++), wall time.
   native+draft  the kept SmolLM2 ELSI m=1 draft (--draft) at each --k and weight precision
               (--draft-dtypes) with the target on the native forward
               (`decoding.native_target.native_speculative_generate`, native draft steps on the
@@ -112,10 +112,10 @@ def bos_token(path: Path) -> int:
 
 def native_greedy(model: NativeForward, tokens: int) -> float:
     model.reset()
-    token = int(np.argmax(model.forward([bos_token(model.weights.path)])[0][0]))
+    token = int(model.forward_greedy([bos_token(model.weights.path)])[0][0])
     start = time.perf_counter()
     for _ in range(tokens):
-        token = int(np.argmax(model.forward([token])[0][0]))
+        token = int(model.forward_greedy([token])[0][0])
     return tokens / (time.perf_counter() - start)
 
 

@@ -244,7 +244,7 @@ void NativeTarget::mlp_block(const NativeLayer& w, int64_t n, int num_threads) {
 
 void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* seqs, const int64_t* logit_rows,
                            int64_t n_logits, float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux,
-                           int num_threads) {
+                           int num_threads, int64_t* greedy) {
   const NativeTargetConfig& c = config_;
   const int64_t d = c.hidden;
   require(n >= 1 && n <= kLinearMaxRows,
@@ -293,8 +293,13 @@ void NativeTarget::forward(const int64_t* tokens, int64_t n, const int64_t* seqs
   for (int64_t i = 0; i < n_logits; ++i)
     rms_norm_cpu(h_.data() + logit_rows[i] * d, w_.final_norm, 1, d, c.eps, xn_.data() + i * d);
   quantize_input(xn_.data(), n_logits, d, xq_);
+  if (logits == nullptr) {
+    logits_.resize(n_logits * c.vocab);
+    logits = logits_.data();
+  }
   float* const out[1] = {logits};
   quant_linear_cpu(&w_.head, out, 1, xq_, num_threads);
+  if (greedy) argmax_rows_cpu(logits, n_logits, c.vocab, greedy, num_threads);
 }
 
 void gated_activation_rows(GatedActivation kind, float* gate, const float* up, int64_t rows, int64_t width) {

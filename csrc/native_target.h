@@ -76,10 +76,13 @@ class NativeTarget {
   //   logits [n_logits, vocab] for the token rows logit_rows[0..n_logits) (after the final norm);
   //   aux    [n, n_aux, d]: hidden state h_l for l = aux_layers[i] (h_0 the embeddings, h_l the
   //          input of block l, h_layers the last block's output before the final norm).
+  //   greedy [n_logits] (if not null): each logits row's argmax (argmax_rows_cpu); `logits` may then
+  //          be null, the forward's own buffer holding them.
   // Throws std::invalid_argument on a token outside the vocabulary, a row or layer out of range or
   // a context past the capacity (nothing is appended then).
   void forward(const int64_t* tokens, int64_t n, const int64_t* seqs, const int64_t* logit_rows, int64_t n_logits,
-               float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads);
+               float* logits, const int64_t* aux_layers, int64_t n_aux, float* aux, int num_threads,
+               int64_t* greedy = nullptr);
 
  private:
   void attention_block(const NativeLayer& w, int64_t layer, int64_t n, int num_threads);
@@ -111,6 +114,7 @@ class NativeTarget {
   bool one_sequence_ = true;
   // Scratch of one forward, sized for kLinearMaxRows rows.
   std::vector<float> h_, xn_, q_, k_, v_, att_, proj_, gate_, up_;
+  std::vector<float> logits_;  // a greedy forward's logits, when the caller wants only their argmax
   QuantInput xq_;
 };
 

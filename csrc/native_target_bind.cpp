@@ -118,23 +118,38 @@ std::unique_ptr<BoundTarget> make_target(const py::dict& dims, const py::tuple& 
   return bound;
 }
 
-// seqs: each token row's sequence, or empty for all rows in sequence 0.
+// seqs: each token row's sequence, or empty for all rows in sequence 0. Returns (logits [n_logits,
+// vocab], aux), or with `greedy` (each logits row's argmax [n_logits], aux): the logits stay in C++.
 py::tuple forward(BoundTarget& b, const Ids& tokens, const Ids& seqs, const Ids& logit_rows, const Ids& aux_layers,
-                  int num_threads) {
+                  int num_threads, bool greedy) {
   const NativeTargetConfig& c = b.target->config();
   const int64_t n = tokens.size(), n_logits = logit_rows.size(), n_aux = aux_layers.size();
   if (seqs.size() != 0 && static_cast<int64_t>(seqs.size()) != n)
     throw std::invalid_argument("NativeTarget: seqs must name one sequence per token row");
   const int64_t* sp = seqs.size() ? seqs.data() : nullptr;
-  py::array_t<float> logits({n_logits, c.vocab}), aux({n, n_aux, c.hidden});
-  float* lp = logits.mutable_data();
+  py::array_t<float> logits(std::vector<int64_t>{greedy ? 0 : n_logits, c.vocab}), aux({n, n_aux, c.hidden});
+  py::array_t<int64_t> ids(greedy ? n_logits : 0);
+  float* lp = greedy ? nullptr : logits.mutable_data();
+  int64_t* ip = greedy ? ids.mutable_data() : nullptr;
   float* ap = aux.mutable_data();
   {
     py::gil_scoped_release release;
     b.target->forward(tokens.data(), n, sp, logit_rows.data(), n_logits, lp, aux_layers.data(), n_aux, ap,
-                      num_threads);
+                      num_threads, ip);
   }
-  return py::make_tuple(logits, aux);
+  return py::make_tuple(greedy ? py::object(ids) : py::object(logits), aux);
+}
+
+// argmax_rows_cpu of x [rows, cols] (tests).
+py::array_t<int64_t> argmax_rows(const Floats& x, int num_threads) {
+  if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D [rows, cols]");
+  py::array_t<int64_t> out(x.shape(0));
+  int64_t* op = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    argmax_rows_cpu(x.data(), x.shape(0), x.shape(1), op, num_threads);
+  }
+  return out;
 }
 
 // x [rows, cols] times each matrix: a list of [rows, matrix rows] arrays (tests and benchmarks);
@@ -181,7 +196,7 @@ void bind_native_target(py::module_& m) {
       .def(py::init(&make_target), py::arg("dims"), py::arg("embed"), py::arg("head"), py::arg("final_norm"),
            py::arg("inv_freq"), py::arg("layers"), py::arg("inv_freq_local") = py::none())
       .def("forward", &forward, py::arg("tokens"), py::arg("seqs"), py::arg("logit_rows"), py::arg("aux_layers"),
-           py::arg("num_threads"))
+           py::arg("num_threads"), py::arg("greedy") = false)
       .def("rollback", [](BoundTarget& b, int64_t position, int64_t seq) { b.target->rollback(position, seq); },
            py::arg("position"), py::arg("seq") = 0)
       .def("length", [](const BoundTarget& b, int64_t seq) { return b.target->length(seq); }, py::arg("seq") = 0)
@@ -189,6 +204,7 @@ void bind_native_target(py::module_& m) {
   m.def("quant_linear", &quant_linear, py::arg("mats"), py::arg("x"), py::arg("num_threads"),
         py::arg("packed") = false);
   m.def("quantize_input", &quantize, py::arg("x"));
+  m.def("argmax_rows", &argmax_rows, py::arg("x"), py::arg("num_threads") = 1);
 }
 
 }  // namespace elsi_fast

@@ -65,6 +65,12 @@ struct DecodeAttention {
 
 void decode_attention_cpu(const DecodeAttention& a, int num_threads);
 
+// ------------------------------------------------------------------------------------- argmax
+// out[r] = the index of the largest of x[r, 0..cols) (row-major), numpy.argmax's answer: the first
+// of equal maxima, or the first NaN where the row has one. Slices of the rows run on `num_threads`
+// threads (argmax_cpu.cpp).
+void argmax_rows_cpu(const float* x, int64_t rows, int64_t cols, int64_t* out, int num_threads);
+
 // ------------------------------------------------------------------------------------- RMSNorm
 // y [rows, d] = weight * (x * (1 / sqrt(mean(x^2) + eps))) row by row, fp32.
 void rms_norm_cpu(const float* x, const float* weight, int64_t rows, int64_t d, float eps, float* y);

@@ -43,8 +43,8 @@ class NativeTargetRunner:
             chunk = tokens[s:s + MAX_ROWS]
             last = s + len(chunk) == len(tokens)
             rows = ([len(chunk) - 1] if last else []) if last_only else list(range(len(chunk)))
-            logits, states = self.native.forward(chunk, rows, self.layers)
-            greedy.append(np.argmax(logits, axis=-1))
+            ids, states = self.native.forward_greedy(chunk, rows, self.layers)
+            greedy.append(ids)
             aux.append(states.reshape(len(chunk), -1))
         self.seconds += time.perf_counter() - start
         ids_out = torch.from_numpy(np.concatenate(greedy))[None]

@@ -109,6 +109,18 @@ class NativeForward:
         """Appends tokens [n] (1..MAX_ROWS), token t to sequence sequences[t] (default: all to sequence
         0) after that sequence's held positions, and returns (logits [len(logit_rows), vocab] fp32
         for the rows asked for (default: every row), aux [n, len(aux_layers), hidden] fp32)."""
+        return self._forward(tokens, logit_rows, aux_layers, sequences, greedy=False)
+
+    def forward_greedy(
+        self, tokens: Sequence[int] | np.ndarray, logit_rows: Sequence[int] | None = None,
+        aux_layers: Sequence[int] = (), sequences: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`forward`, returning each asked row's greedy token instead of its logits: (ids
+        [len(logit_rows)] int64, numpy.argmax's answer on the logits forward gives; aux). The logits
+        never leave C++ (csrc/argmax_cpu.cpp)."""
+        return self._forward(tokens, logit_rows, aux_layers, sequences, greedy=True)
+
+    def _forward(self, tokens, logit_rows, aux_layers, sequences, greedy: bool) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         n = tokens.shape[0]
         if not 1 <= n <= MAX_ROWS:
@@ -130,7 +142,7 @@ class NativeForward:
         layers = np.asarray(aux_layers, dtype=np.int64)
         if layers.size and (layers.min() < 0 or layers.max() > self.weights.layers):
             raise ValueError(f"aux_layers: ids must lie in [0, {self.weights.layers}], got {list(aux_layers)}")
-        return self._native.forward(tokens, seqs, rows, layers, self.num_threads)
+        return self._native.forward(tokens, seqs, rows, layers, self.num_threads, greedy)
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, sequence: int = 0) -> np.ndarray:
         """Appends any number of tokens to `sequence` in forwards of MAX_ROWS; returns the last token's
@@ -151,7 +163,7 @@ class NativeForward:
         token = int(np.argmax(self.prefill(prompt)))
         out = [token]
         while len(out) < max_new_tokens and token not in stop:
-            logits, _ = self.forward([token])
-            token = int(np.argmax(logits[0]))
+            ids, _ = self.forward_greedy([token])
+            token = int(ids[0])
             out.append(token)
         return out

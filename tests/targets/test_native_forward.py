@@ -83,6 +83,21 @@ def test_verify_rows_equal_one_token_forwards(native, cpu_isa):
     np.testing.assert_array_equal(last, verify[[4, 1]])
 
 
+@pytest.mark.parametrize("cpu_isa", ["avx512", "avx2", "scalar"], indirect=True)
+def test_greedy_forward_gives_numpys_argmax_of_the_logits(native, cpu_isa):
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 7018]
+    draft = [504, 3458, 282, 4649, 314, 17, 28, 1000]
+    native.reset()
+    native.prefill(prompt)
+    logits, aux = native.forward(draft, logit_rows=[7, 0, 3], aux_layers=[12])
+    native.rollback(len(prompt))
+    ids, greedy_aux = native.forward_greedy(draft, logit_rows=[7, 0, 3], aux_layers=[12])
+    assert ids.dtype == np.int64
+    np.testing.assert_array_equal(ids, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(greedy_aux, aux)
+    assert native.length == len(prompt) + len(draft)
+
+
 def test_rollback_then_new_tokens_equal_a_fresh_context(native):
     native.reset()
     native.prefill([1, 2, 3, 4, 5, 6])

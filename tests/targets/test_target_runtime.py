@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -173,6 +174,25 @@ def test_prefill_linears_stay_torch():
         assert torch.equal(model.lm_head(x), nn.functional.linear(x, model.lm_head.weight))
         native = model.lm_head(x[:, :2])  # bf16 weights: not torch's fp32 product
         assert not torch.equal(native, nn.functional.linear(x[:, :2], model.lm_head.weight))
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 100, 65536 * 2 + 37])
+def test_argmax_rows_is_numpys(cols, cpu_isa):
+    """The first of equal maxima (a tie planted across vector lanes and slices), the first NaN of a
+    row that has one, rows of -inf: numpy.argmax's answers, on 1 and 2 threads."""
+    from elsi_fast import _C
+
+    rng = np.random.default_rng(cols)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    x[1] = -np.inf
+    x[2, cols // 2:] = x[2].max() + 1.0  # a run of equal maxima: the first one counts
+    x[3, cols - 1] = np.nan
+    x[3, cols // 3] = np.nan
+    x[4, -1] = x[4].max() + 2.0  # the largest in the scalar tail
+    x[5, 0] = x[5].max() + 2.0
+    want = np.argmax(x, axis=1)
+    for threads in (1, 2):
+        np.testing.assert_array_equal(_C.argmax_rows(x, threads), want)
 
 
 def test_attention_rejects_bad_input():
