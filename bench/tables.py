@@ -657,20 +657,24 @@ NATIVE_LOOKUP = Source("native_target_cpu.jsonl", "native_target_decode", {"prom
 
 def native_lookup(results: Results) -> list[str]:
     """Reads draft_tokens_per_s with and without prompt lookup (`bench_native_target --spec-bench 1
-    --prompt-lookup n [--lookup-k K]`), each target's latest run (commit): per threads and k, new
-    tokens/s and tau alone, with the lookup proposing k tokens and, where the run has them, up to K,
-    against native greedy on the same prompts in the same rounds and llama.cpp's greedy."""
+    --prompt-lookup n [--lookup-k K]`), the latest run (commit) of each target at each thread count:
+    per k, new tokens/s and tau alone, with the lookup proposing k tokens and, where the run has them,
+    up to K, against native greedy on the same prompts in the same rounds and llama.cpp's greedy."""
     rows = [r for r in results.rows(NATIVE_LOOKUP.file) if _matches(r, {"benchmark": NATIVE_LOOKUP.benchmark,
                                                                           **NATIVE_LOOKUP.where})]
     lookup_rows = [r for r in rows if r["params"].get("prompt_lookup")]
     latest = {}
+
+    def run_of(r: Row) -> tuple[str, int]:
+        return r["params"]["model"], r["params"]["threads"]
+
     for r in sorted(lookup_rows, key=lambda r: (r["date"], r["_line"])):
-        latest[r["params"]["model"]] = r["commit"]
+        latest[run_of(r)] = r["commit"]
+    current = [r for r in lookup_rows if r["commit"] == latest[run_of(r)]]
     cases = sorted({(r["params"]["model"], r["params"]["type"], r["params"]["threads"], r["params"]["k"],
-                     r["params"]["prompt_lookup"]) for r in lookup_rows if r["commit"] == latest[r["params"]["model"]]})
+                     r["params"]["prompt_lookup"]) for r in current})
     longer = {(r["params"]["model"], r["params"]["threads"], r["params"]["k"], r["params"]["prompt_lookup"]):
-              r["params"]["lookup_k"] for r in lookup_rows
-              if r["commit"] == latest[r["params"]["model"]] and r["params"].get("lookup_k")}
+              r["params"]["lookup_k"] for r in current if r["params"].get("lookup_k")}
 
     def cell(row: Row, greedy: float) -> str:
         return f"{row['value']:.1f} ({x(row['value'] / greedy)}, tau {row['params']['tau']:.2f})"
@@ -678,7 +682,7 @@ def native_lookup(results: Results) -> list[str]:
     body = []
     for model, kind, threads, k, n in cases:
         metric = f"draft_tokens_per_s/{kind}/threads={threads}/k={k}"
-        commit = latest[model]
+        commit = latest[model, threads]
         alone = NATIVE_LOOKUP.pick(results, metric, model=model, k=k, prompt_lookup=None, commit=commit)
         both = NATIVE_LOOKUP.pick(results, f"{metric}/lookup={n}", model=model, k=k, prompt_lookup=n, commit=commit)
         greedy = both["params"]["native_chat_greedy_tokens_per_s"]
