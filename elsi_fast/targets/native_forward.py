@@ -116,11 +116,13 @@ class NativeForward:
         aux_layers: Sequence[int] = (), sequences: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`forward`, returning each asked row's greedy token instead of its logits: (ids
-        [len(logit_rows)] int64, numpy.argmax's answer on the logits forward gives; aux). The logits
-        never leave C++ (csrc/argmax_cpu.cpp)."""
+        [len(logit_rows)] int64, what numpy.argmax gives on `forward`'s logits; aux). The logits never
+        leave C++ (csrc/argmax_cpu.cpp)."""
         return self._forward(tokens, logit_rows, aux_layers, sequences, greedy=True)
 
-    def _forward(self, tokens, logit_rows, aux_layers, sequences, greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _forward(self, tokens: Sequence[int] | np.ndarray, logit_rows: Sequence[int] | None,
+                 aux_layers: Sequence[int], sequences: Sequence[int] | None,
+                 greedy: bool) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
         n = tokens.shape[0]
         if not 1 <= n <= MAX_ROWS:
