@@ -1,9 +1,11 @@
 """Draft training throughput: this tree's trainer against a baseline commit's, on real conversations.
 
     python -m bench.bench_train [--conversations 96] [--steps 12] [--reps 2] [--baseline 5ac09af]
+        [--labels target|answers] [--draft-vocab-size 4096] [--baseline-precision auto]
 
 Both train the same draft (ELSI m=1 [11] on SmolLM2 by default, random init, draft vocabulary
-4096, 3 training-time-test steps, batches of 16) from one bfloat16 feature cache of the first
+4096, 3 training-time-test steps, batches of 16; labels the target's distribution, or with
+`--labels answers` the answers' tokens, as the long runs train) from one bfloat16 feature cache of the first
 `--conversations` of a `regenerate` folder (`--data`, default runs/data-smollm2), with the same
 seed and batches, so the loss curves must agree (to bf16 rounding where this tree trains in bf16).
 Each run is a fresh process, alternating baseline / this tree `--reps` times; the rows give the
@@ -50,9 +52,11 @@ model, tokenizer = load_model(args["model"], device="cpu", dtype="float32", argu
 records = read_conversations(args["data"])[: args["conversations"]]
 samples = conversation_samples(records, tokenizer, 512, model.config.vocab_size)
 extra = {"precision": args["precision"]} if args["precision"] else {}
+if args["labels"] != "target":  # a baseline commit before `labels` knew only the target's
+    extra["labels"] = args["labels"]
 trained = train_draft(model, tokenizer, args["layers"], samples, out_dir=args["out"],
                       feature_cache=open_cache(args["cache"]), steps=args["steps"], batch_size=16, lr=3e-3, warmup=2,
-                      ttt_steps=3, draft_vocab_size=4096, init="random", seq_len=512, seed=0, save_every=10**6,
+                      ttt_steps=3, draft_vocab_size=args["draft_vocab_size"], init="random", seq_len=512, seed=0, save_every=10**6,
                       resume=False, progress=False, **extra)
 # train_draft returns (draft, summary); a baseline commit's returned the draft only and wrote the file
 summary = trained.summary if hasattr(trained, "summary") else json.loads((Path(args["out"]) / SUMMARY_FILE).read_text())
@@ -86,6 +90,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", default="5ac09af", help="the commit of today's trainer")
+    parser.add_argument("--baseline-precision", default=None,
+                        help="the baseline's precision argument (default: none, its trainer's own default)")
+    parser.add_argument("--labels", choices=("target", "answers"), default="target")
+    parser.add_argument("--draft-vocab-size", type=int, default=4096)
     parser.add_argument("--note", default="", help="conditions to record, e.g. a paused background job")
     args = parser.parse_args()
 
@@ -97,7 +105,7 @@ def main() -> None:
     from elsi_fast.training.training_data import conversation_samples
 
     torch.set_num_threads(args.threads)
-    data = Path(args.data) / CONVERSATIONS_FILE
+    data = Path(args.data).resolve() / CONVERSATIONS_FILE  # the workers run in other trees
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32", argument="--model",
                                   device_argument="--device", progress=False)
@@ -111,16 +119,19 @@ def main() -> None:
         for name, tree in trees.items():
             settings = {"model": args.model, "data": str(data), "conversations": args.conversations,
                         "layers": args.layers, "steps": args.steps, "threads": args.threads,
+                        "labels": args.labels, "draft_vocab_size": args.draft_vocab_size,
                         "cache": str(work / "cache"), "out": str(work / f"{name}-{rep}"),
-                        "precision": "auto" if name == "new" else None}
+                        "precision": "auto" if name == "new" else args.baseline_precision}
             runs[name].append(_run(tree, settings))
             print(name, rep, f"{runs[name][-1]['tok_s']:.0f} tokens/s, final loss {runs[name][-1]['losses'][-1]:.4f}")
     base = statistics.median(r["tok_s"] for r in runs["baseline"])
     new = statistics.median(r["tok_s"] for r in runs["new"])
     base_loss, new_loss = runs["baseline"][0]["losses"], runs["new"][0]["losses"]
     params = {"model": args.model, "layers": args.layers, "conversations": args.conversations, "steps": args.steps,
-              "batch_size": 16, "draft_vocab_size": 4096, "ttt_steps": 3, "cache_dtype": "bfloat16",
+              "batch_size": 16, "draft_vocab_size": args.draft_vocab_size, "labels": args.labels, "ttt_steps": 3,
+              "cache_dtype": "bfloat16",
               "threads": args.threads, "reps": args.reps, "baseline_commit": args.baseline,
+              "baseline_precision": args.baseline_precision or "its default",
               "precision": runs["new"][0]["precision"], "load": os.getloadavg()[0], "note": args.note,
               "loss_baseline": base_loss, "loss_new": new_loss}
     device = device_name("cpu", args.threads)

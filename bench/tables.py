@@ -841,7 +841,8 @@ RESULT_FILES: dict[str, tuple[str, str]] = {
          "2-thread draft step on the one thread pool (before: the draft step's OpenMP team)")),
     "train_cpu.jsonl": (
         ("`bench/bench_train.py` (`python -m bench.bench_train [--conversations 96] [--steps 12] "
-         "[--reps 2] [--baseline 5ac09af]`)"),
+         "[--reps 2] [--baseline 5ac09af] [--labels target|answers] [--draft-vocab-size 4096] "
+         "[--baseline-precision auto]`)"),
         "current"),
     "vllm_integration_cpu.jsonl": (
         ("`bench/integration/vllm_serve.py` (`python -m bench.integration.vllm_serve all`, or the "

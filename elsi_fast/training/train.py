@@ -228,11 +228,12 @@ class _SampleBatches:
         return aux, ids[:, 1:], labels, rows, int(attention.sum())
 
 
-def _label_probs(labels: torch.Tensor, draft_vocab_size: int, temperature: float) -> torch.Tensor:
-    """[n, Vd] label distributions: one-hot of draft-vocabulary indices [n] (labels from the
-    answers), or the softmax at `temperature` of the target's logits [n, Vd]."""
+def _label_probs(labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The loss's labels: draft-vocabulary indices [n] as they are (labels from the answers, one-hot
+    labels that `ttt_loss` takes without building them), or the softmax at `temperature` of the
+    target's logits [n, Vd]."""
     if labels.dtype == torch.long:
-        return torch.nn.functional.one_hot(labels, draft_vocab_size).float()
+        return labels
     return torch.softmax(labels / temperature, dim=-1)
 
 
@@ -248,7 +249,10 @@ def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions
              counts: Sequence[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
     """Weighted training-time-test loss over the rows in the loss, packed.
 
-    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order);
+    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order), or
+    [n] draft-vocabulary indices of one-hot labels: the cross-entropy is then the index's negative
+    log-probability, the one-hot product's value and gradient bit for bit without the [n, Vd]
+    one-hot, whose copies per step cost Gemma's draft a third of its loss's time (docs/real-models.md);
     positions [n]: their s. step_logits[i] [n_i, Vd] (`Eagle3Draft.ttt_forward(...,
     label_rows=...)`): step i's logits at (b, s - i) for the rows with s >= i, labelled by those
     rows' probs (step i at position t predicts token t + 2 + i, the label of row t + i).
@@ -256,15 +260,19 @@ def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions
     torch.distributed, every rank's). Returns (sum_i 0.8^i * mean cross-entropy_i, per-step
     cross-entropy sums, [step-0 top-1 agreements, rows]) as plain numbers for logging.
     """
-    total = probs.new_zeros(())
+    hard = probs.dtype == torch.long
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
     sums: list[float] = []
     for i, logits in enumerate(step_logits):
         labels = probs[positions >= i]
-        ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        if hard:
+            ce = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        else:
+            ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
         count = float(labels.shape[0]) if counts is None else counts[i]
         total = total + TTT_DECAY**i * ce.sum() / max(count, 1.0)
         sums.append(float(ce.detach().sum()))
-    agree = (step_logits[0].detach().argmax(-1) == probs.argmax(-1)).float().sum()
+    agree = (step_logits[0].detach().argmax(-1) == (probs if hard else probs.argmax(-1))).float().sum()
     return total, sums, [float(agree), float(probs.shape[0])]
 
 
@@ -589,7 +597,7 @@ def train_draft(
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
                 for (aux, next_ids, row_labels, rows, group_tokens), group_positions in zip(groups, positions):
-                    probs = _label_probs(row_labels, draft_vocab_size, label_temperature)
+                    probs = _label_probs(row_labels, label_temperature)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                         step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
                     loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)

@@ -96,6 +96,33 @@ def test_ttt_loss_matches_float64_reference():
     assert agree / rows == pytest.approx(float((step_logits[0].argmax(-1) == probs.argmax(-1)).float().mean()))
 
 
+def test_index_labels_are_the_one_hot_labels_loss_and_gradient():
+    """Labels from the answers go to ttt_loss as draft-vocabulary indices: the loss, its per-step sums,
+    the top-1 count and the logits' gradient are those of the one-hot labels bit for bit (a one-hot
+    row's sum has one nonzero term, whatever the summation order), and the values those of float64."""
+    torch.manual_seed(2)
+    n, vd, steps = 40, 9, 3
+    labels = torch.randint(0, vd, (n,))
+    positions = torch.randint(0, 6, (n,))
+    counts = [float((positions >= i).sum()) + 3 for i in range(steps)]  # other ranks' rows too
+    logits = [torch.randn(int((positions >= i).sum()), vd, requires_grad=True) for i in range(steps)]
+    results = []
+    for probs in (labels, torch.nn.functional.one_hot(labels, vd).float()):
+        for x in logits:
+            x.grad = None
+        total, sums, agree = ttt_loss(logits, probs, positions, counts)
+        total.backward()
+        results.append((total.detach(), sums, agree, [x.grad.clone() for x in logits]))
+    (total, sums, agree, grads), (total_1h, sums_1h, agree_1h, grads_1h) = results
+    assert torch.equal(total, total_1h) and sums == sums_1h and agree == agree_1h
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_1h))
+    expected = [float(-torch.log_softmax(x.detach().double(), -1)[torch.arange(len(x)), labels[positions >= i]].sum())
+                for i, x in enumerate(logits)]
+    assert sums == pytest.approx(expected, rel=1e-6)
+    assert float(total) == pytest.approx(sum(0.8**i * e / c for i, (e, c) in enumerate(zip(expected, counts))), rel=1e-6)
+    assert agree == [float((logits[0].argmax(-1) == labels).sum()), float(n)]
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="layers"):
         train_draft(TARGET, TOKENIZER, [3, 1], TEXTS, out_dir=tmp_path, steps=1, **SMALL)
@@ -458,8 +485,7 @@ def test_answer_labels_are_each_rows_next_answer_token_in_the_draft_vocabulary(s
                 expected_labels.append(position[ids[t + 2]])
     assert 0 < int(expected_rows.sum()) < int(want_rows.sum())  # some answer tokens are outside the vocabulary
     assert torch.equal(rows, expected_rows) and labels.tolist() == expected_labels
-    probs = train_mod._label_probs(labels, 12, 1.0)
-    assert torch.equal(probs.argmax(-1), labels) and torch.equal(probs.sum(-1), torch.ones(len(labels)))
+    assert train_mod._label_probs(labels, 1.0) is labels  # ttt_loss takes the indices as one-hot labels
 
 
 def test_answer_labels_train_offline_from_a_cache_without_final_states(samples, tmp_path):
