@@ -375,7 +375,7 @@ class Eagle3Draft(nn.Module):
         return self.draft_to_target(draft_ids), hidden_out
 
     def ttt_forward(self, aux_hidden: Tensor, next_ids: Tensor, num_steps: int,
-                    label_rows: Tensor | None = None) -> list[Tensor]:
+                    label_rows: Tensor | None = None, head: bool = True) -> list[Tensor]:
         """EAGLE3 training-time test over a whole sequence, no cache.
 
         aux_hidden [B, T, m * d_t]; next_ids [B, T] (token_{t+1} for each position t). Step 0 is
@@ -392,6 +392,9 @@ class Eagle3Draft(nn.Module):
         is about half a step's work, and prompt and padding rows are most of a batch). Steps i >= 1
         then also skip the positions before the first label row less num_steps - 1, which no loss
         reads (a conversation's prompt): only step 0's keys are attended there.
+
+        head=False: each step returns the head's inputs [..., d] at those positions instead of its
+        logits, for a loss that applies the head itself (training.head_loss).
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
@@ -419,10 +422,10 @@ class Eagle3Draft(nn.Module):
                 ids = F.pad(next_ids[:, start + step :], (0, step), value=0)
             out = self._layer(hidden, ids, positions[start:] + step, attend)
             if label_rows is None:
-                step_logits, hidden = self._head(out)
+                step_logits, hidden = self._head(out, apply=head)
             else:
                 keep = label_t >= step
-                step_logits, hidden = self._head(out, (label_b[keep], label_t[keep] - step - start))
+                step_logits, hidden = self._head(out, (label_b[keep], label_t[keep] - step - start), head)
             logits.append(step_logits)
             if step == 0 and label_rows is not None and num_steps > 1 and label_t.numel():
                 # Step i reads step i-1's output at its own position only: the later steps need
@@ -436,14 +439,15 @@ class Eagle3Draft(nn.Module):
         return ids + self.d2t[ids]
 
     # ----------------------------------------------------------------------------- internals
-    def _head(self, hidden: Tensor, rows: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    def _head(self, hidden: Tensor, rows: tuple[Tensor, Tensor] | None = None,
+              apply: bool = True) -> tuple[Tensor, Tensor]:
         """(logits, the next step's `h`) from the layer output h'' (logits only at `rows`, an
-        index pair into [B, T], when given)."""
+        index pair into [B, T], when given; the head's inputs instead of its logits without `apply`)."""
         config = self.config
         normed = self.norm(hidden) if config.final_norm or config.norm_feedback else hidden
         source = normed if config.final_norm else hidden
-        logits = self.lm_head(source if rows is None else source[rows])
-        return logits, normed if config.norm_feedback else hidden
+        source = source if rows is None else source[rows]
+        return self.lm_head(source) if apply else source, normed if config.norm_feedback else hidden
 
     def _layer(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor,
                attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:

@@ -36,6 +36,7 @@ from ..draft.formats import write_draft
 from ..engines.layer_ids import check_layer_set
 from ..targets.capture import capture_hidden_states, decoder_layers, plain_lm_head
 from .feature_cache import samples_fingerprint
+from .head_loss import head_cross_entropy
 from .training_data import Sample, pad_samples, token_stream
 
 if TYPE_CHECKING:
@@ -229,11 +230,7 @@ class _SampleBatches:
 
 
 def _label_probs(labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The loss's labels: draft-vocabulary indices [n] as they are (labels from the answers, one-hot
-    labels that `ttt_loss` takes without building them), or the softmax at `temperature` of the
-    target's logits [n, Vd]."""
-    if labels.dtype == torch.long:
-        return labels
+    """[n, Vd] label distributions: the softmax at `temperature` of the target's logits [n, Vd]."""
     return torch.softmax(labels / temperature, dim=-1)
 
 
@@ -249,10 +246,7 @@ def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions
              counts: Sequence[float] | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
     """Weighted training-time-test loss over the rows in the loss, packed.
 
-    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order), or
-    [n] draft-vocabulary indices of one-hot labels: the cross-entropy is then the index's negative
-    log-probability, the one-hot product's value and gradient bit for bit without the [n, Vd]
-    one-hot, whose copies per step cost Gemma's draft a third of its loss's time (docs/real-models.md);
+    probs [n, Vd]: the soft labels of the n label rows (b, s) (``label_rows.nonzero()`` order);
     positions [n]: their s. step_logits[i] [n_i, Vd] (`Eagle3Draft.ttt_forward(...,
     label_rows=...)`): step i's logits at (b, s - i) for the rows with s >= i, labelled by those
     rows' probs (step i at position t predicts token t + 2 + i, the label of row t + i).
@@ -260,20 +254,35 @@ def ttt_loss(step_logits: Sequence[torch.Tensor], probs: torch.Tensor, positions
     torch.distributed, every rank's). Returns (sum_i 0.8^i * mean cross-entropy_i, per-step
     cross-entropy sums, [step-0 top-1 agreements, rows]) as plain numbers for logging.
     """
-    hard = probs.dtype == torch.long
-    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    total = probs.new_zeros(())
     sums: list[float] = []
     for i, logits in enumerate(step_logits):
         labels = probs[positions >= i]
-        if hard:
-            ce = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
-        else:
-            ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        ce = -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
         count = float(labels.shape[0]) if counts is None else counts[i]
         total = total + TTT_DECAY**i * ce.sum() / max(count, 1.0)
         sums.append(float(ce.detach().sum()))
-    agree = (step_logits[0].detach().argmax(-1) == (probs if hard else probs.argmax(-1))).float().sum()
+    agree = (step_logits[0].detach().argmax(-1) == probs.argmax(-1)).float().sum()
     return total, sums, [float(agree), float(probs.shape[0])]
+
+
+def ttt_head_loss(step_inputs: Sequence[torch.Tensor], head_weight: torch.Tensor, labels: torch.Tensor,
+                  positions: torch.Tensor, counts: Sequence[float] | None = None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[float], list[float]]:
+    """`ttt_loss` for one-hot labels, with the head applied here, fused with the loss
+    (`head_loss.head_cross_entropy`, its product in `dtype`): labels [n] the draft-vocabulary
+    indices of the label rows (labels from the answers), step_inputs[i] [n_i, d] the head's inputs
+    (`Eagle3Draft.ttt_forward(..., head=False)`), head_weight [Vd, d]. The same loss and gradients
+    to float rounding, without the [n, Vd] logits and one-hot labels (docs/performance.md)."""
+    step_labels = [labels[positions >= i] for i in range(len(step_inputs))]
+    sizes = [len(step) for step in step_labels]
+    counts = [float(size) for size in sizes] if counts is None else counts
+    scale = torch.cat([torch.full((size,), TTT_DECAY**i / max(counts[i], 1.0)) for i, size in enumerate(sizes)])
+    total, ce, top = head_cross_entropy(torch.cat(list(step_inputs)), head_weight, torch.cat(step_labels),
+                                        scale.to(labels.device), dtype)
+    sums = [float(part.sum()) for part in ce.split(sizes)]
+    agree = float((top[: sizes[0]] == step_labels[0]).sum())
+    return total, sums, [agree, float(labels.shape[0])]
 
 
 def _row_counts(positions: torch.Tensor, steps: int) -> list[float]:
@@ -597,10 +606,16 @@ def train_draft(
                 optimizer.zero_grad(set_to_none=True)
                 sums, agree, tokens = [0.0] * ttt_steps, [0.0, 0.0], 0
                 for (aux, next_ids, row_labels, rows, group_tokens), group_positions in zip(groups, positions):
-                    probs = _label_probs(row_labels, label_temperature)
+                    one_hot = row_labels.dtype == torch.long  # labels from the answers: indices
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
-                        step_logits = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows)
-                    loss, group_sums, group_agree = ttt_loss(step_logits, probs, group_positions, counts)
+                        step_out = draft.ttt_forward(aux, next_ids, ttt_steps, label_rows=rows, head=not one_hot)
+                    if one_hot:
+                        loss, group_sums, group_agree = ttt_head_loss(
+                            step_out, draft.lm_head.weight, row_labels, group_positions, counts,
+                            torch.bfloat16 if precision == "bfloat16" else torch.float32)
+                    else:
+                        probs = _label_probs(row_labels, label_temperature)
+                        loss, group_sums, group_agree = ttt_loss(step_out, probs, group_positions, counts)
                     loss.backward()  # each group's loss is over the global row counts: the gradients add up
                     sums = [a + b for a, b in zip(sums, group_sums)]
                     agree = [a + b for a, b in zip(agree, group_agree)]

@@ -96,31 +96,33 @@ def test_ttt_loss_matches_float64_reference():
     assert agree / rows == pytest.approx(float((step_logits[0].argmax(-1) == probs.argmax(-1)).float().mean()))
 
 
-def test_index_labels_are_the_one_hot_labels_loss_and_gradient():
-    """Labels from the answers go to ttt_loss as draft-vocabulary indices: the loss, its per-step sums,
-    the top-1 count and the logits' gradient are those of the one-hot labels bit for bit (a one-hot
-    row's sum has one nonzero term, whatever the summation order), and the values those of float64."""
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_fused_head_loss_is_the_one_hot_loss_of_the_heads_logits(dtype, tol):
+    """Labels from the answers: ttt_head_loss (the head fused with the loss) gives ttt_loss's value, step
+    sums, top-1 count and gradients on the head's logits with one-hot labels, the head's product in
+    `dtype` as autocast runs it (bf16: to bf16 rounding)."""
     torch.manual_seed(2)
-    n, vd, steps = 40, 9, 3
+    n, d, vd, steps = 300, 24, 37, 3  # more rows than one chunk of head_loss
     labels = torch.randint(0, vd, (n,))
     positions = torch.randint(0, 6, (n,))
     counts = [float((positions >= i).sum()) + 3 for i in range(steps)]  # other ranks' rows too
-    logits = [torch.randn(int((positions >= i).sum()), vd, requires_grad=True) for i in range(steps)]
-    results = []
-    for probs in (labels, torch.nn.functional.one_hot(labels, vd).float()):
-        for x in logits:
-            x.grad = None
-        total, sums, agree = ttt_loss(logits, probs, positions, counts)
-        total.backward()
-        results.append((total.detach(), sums, agree, [x.grad.clone() for x in logits]))
-    (total, sums, agree, grads), (total_1h, sums_1h, agree_1h, grads_1h) = results
-    assert torch.equal(total, total_1h) and sums == sums_1h and agree == agree_1h
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads_1h))
-    expected = [float(-torch.log_softmax(x.detach().double(), -1)[torch.arange(len(x)), labels[positions >= i]].sum())
-                for i, x in enumerate(logits)]
-    assert sums == pytest.approx(expected, rel=1e-6)
-    assert float(total) == pytest.approx(sum(0.8**i * e / c for i, (e, c) in enumerate(zip(expected, counts))), rel=1e-6)
-    assert agree == [float((logits[0].argmax(-1) == labels).sum()), float(n)]
+    inputs = [torch.randn(int((positions >= i).sum()), d, requires_grad=True) for i in range(steps)]
+    weight = torch.nn.Parameter(torch.randn(vd, d) / d**0.5)
+    fused = train_mod.ttt_head_loss(inputs, weight, labels, positions, counts, dtype)
+    fused[0].backward()
+    fused_grads = [x.grad.clone() for x in inputs] + [weight.grad.clone()]
+    for p in inputs + [weight]:
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        logits = [torch.nn.functional.linear(x, weight) for x in inputs]
+    one_hot = torch.nn.functional.one_hot(labels, vd).float()
+    plain = ttt_loss(logits, one_hot, positions, counts)
+    plain[0].backward()
+    assert float(fused[0].detach()) == pytest.approx(float(plain[0].detach()), rel=tol)
+    assert fused[1] == pytest.approx(plain[1], rel=tol)
+    assert fused[2][1] == plain[2][1] and abs(fused[2][0] - plain[2][0]) <= (0 if dtype == torch.float32 else 3)
+    for got, want in zip(fused_grads, [x.grad for x in inputs] + [weight.grad]):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
 def test_bad_arguments(tmp_path):
@@ -485,7 +487,6 @@ def test_answer_labels_are_each_rows_next_answer_token_in_the_draft_vocabulary(s
                 expected_labels.append(position[ids[t + 2]])
     assert 0 < int(expected_rows.sum()) < int(want_rows.sum())  # some answer tokens are outside the vocabulary
     assert torch.equal(rows, expected_rows) and labels.tolist() == expected_labels
-    assert train_mod._label_probs(labels, 1.0) is labels  # ttt_loss takes the indices as one-hot labels
 
 
 def test_answer_labels_train_offline_from_a_cache_without_final_states(samples, tmp_path):
