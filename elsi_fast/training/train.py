@@ -279,9 +279,9 @@ def ttt_head_loss(step_inputs: Sequence[torch.Tensor], head_weight: torch.Tensor
     counts = [float(size) for size in sizes] if counts is None else counts
     scale = torch.cat([torch.full((size,), TTT_DECAY**i / max(counts[i], 1.0)) for i, size in enumerate(sizes)])
     total, ce, top = head_cross_entropy(torch.cat(list(step_inputs)), head_weight, torch.cat(step_labels),
-                                        scale.to(labels.device), dtype)
+                                        scale.to(labels.device), dtype, argmax_rows=sizes[0])
     sums = [float(part.sum()) for part in ce.split(sizes)]
-    agree = float((top[: sizes[0]] == step_labels[0]).sum())
+    agree = float((top == step_labels[0]).sum())
     return total, sums, [agree, float(labels.shape[0])]
 
 

@@ -33,16 +33,17 @@ def test_matches_float64_autograd(shape, dtype):
     x = torch.randn(n, d, generator=gen, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(vd, d, generator=gen) / d**0.5)
     labels = torch.randint(0, vd, (n,), generator=gen)
-    scale = torch.rand(n, generator=gen)
-    loss, ce, top = head_cross_entropy(x, weight, labels, scale, dtype)
+    scale = torch.rand(n, generator=gen) + 0.01
+    argmax_rows = n // 2 + 1 if n else 0  # the argmax of the first rows only (a loss's first step)
+    loss, ce, top = head_cross_entropy(x, weight, labels, scale, dtype, argmax_rows)
     (2.0 * loss).backward()  # the backward scales by the loss's own gradient
     want_loss, want_ce, want_top, want_gx, want_gw = reference(x, weight, labels, scale, dtype)
     tol = TOLERANCES[dtype]
-    assert loss.dtype == torch.float32 and ce.shape == (n,) and top.shape == (n,)
+    assert loss.dtype == torch.float32 and ce.shape == (n,) and top.shape == (argmax_rows,)
     assert float(loss.detach()) == pytest.approx(float(want_loss), rel=tol, abs=1e-6)
     torch.testing.assert_close(ce.double(), want_ce, rtol=tol, atol=1e-5)
     if dtype == torch.float32:
-        assert torch.equal(top, want_top)
+        assert torch.equal(top, want_top[:argmax_rows])
     for got, want in ((x.grad, 2 * want_gx), (weight.grad, 2 * want_gw)):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * (float(want.abs().max()) if want.numel() else 1.0))
@@ -52,7 +53,11 @@ def test_refuses_mismatched_inputs():
     x, weight = torch.randn(4, 8), torch.randn(5, 8)
     with pytest.raises(ValueError, match="labels: expected 4 int64 indices"):
         head_cross_entropy(x, weight, torch.zeros(4, dtype=torch.int32), torch.ones(4))
-    with pytest.raises(ValueError, match="scale: expected 4 row weights"):
+    with pytest.raises(ValueError, match="scale: expected 4 positive row weights"):
         head_cross_entropy(x, weight, torch.zeros(4, dtype=torch.long), torch.ones(3))
+    with pytest.raises(ValueError, match="scale: expected 4 positive row weights"):
+        head_cross_entropy(x, weight, torch.zeros(4, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"argmax_rows: expected 0..4, got 5"):
+        head_cross_entropy(x, weight, torch.zeros(4, dtype=torch.long), torch.ones(4), argmax_rows=5)
     with pytest.raises(ValueError, match=r"x \[4, 8\] and weight \[5, 7\]"):
         head_cross_entropy(x, torch.randn(5, 7), torch.zeros(4, dtype=torch.long), torch.ones(4))
