@@ -374,6 +374,9 @@ GEMMA_SIXTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~42
 # its seventh, the sixth continued (2026-12-07)
 GEMMA_SEVENTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~1a7006c5dc"
                       "+2500-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
+# its eighth, the seventh continued (2026-12-07)
+GEMMA_EIGHTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~bb7ecef583"
+                     "+2500-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -959,7 +962,7 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps500+300+300-v8192",
                          "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers", GEMMA_SECOND_PASS,
                          GEMMA_TASK_PASS, GEMMA_FOURTH_PASS, GEMMA_KV2_PASS, GEMMA_SIXTH_PASS,
-                         GEMMA_SEVENTH_PASS)),
+                         GEMMA_SEVENTH_PASS, GEMMA_EIGHTH_PASS)),
     Table("long-run-gemma3-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
           "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
@@ -969,7 +972,8 @@ TABLES: tuple[Table, ...] = (
               "+2000 steps more, the same data and recipe": GEMMA_FOURTH_PASS,
               "+2000 more, two key-value heads": GEMMA_KV2_PASS,
               "+2500 more, two key-value heads": GEMMA_SIXTH_PASS,
-              "+2500 more (seventh pass)": GEMMA_SEVENTH_PASS},
+              "+2500 more (seventh pass)": GEMMA_SEVENTH_PASS,
+              "+2500 more (eighth pass)": GEMMA_EIGHTH_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
