@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Rows per chunk: their float32 logits (4 MB at 4096 columns) stay in the L2 / L3 cache between
-# the softmax and the two gradient products.
+# Rows per chunk: their float32 logits (11.5 MB at Gemma's 11,264 columns) stay in cache between
+# the softmax and the gradient product; of 64-512 rows, 256 was fastest on that head.
 CHUNK_ROWS = 256
 
 

@@ -229,11 +229,6 @@ class _SampleBatches:
         return aux, ids[:, 1:], labels, rows, int(attention.sum())
 
 
-def _label_probs(labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[n, Vd] label distributions: the softmax at `temperature` of the target's logits [n, Vd]."""
-    return torch.softmax(labels / temperature, dim=-1)
-
-
 def _label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, T-1] draft rows in the loss: row t (features h_t, token x_{t+1}) is trained on the
     target's prediction of x_{t+2}, so it is in when x_{t+2} is an answer token."""
@@ -614,7 +609,7 @@ def train_draft(
                             step_out, draft.lm_head.weight, row_labels, group_positions, counts,
                             torch.bfloat16 if precision == "bfloat16" else torch.float32)
                     else:
-                        probs = _label_probs(row_labels, label_temperature)
+                        probs = torch.softmax(row_labels / label_temperature, dim=-1)  # the target's, sharpened
                         loss, group_sums, group_agree = ttt_loss(step_out, probs, group_positions, counts)
                     loss.backward()  # each group's loss is over the global row counts: the gradients add up
                     sums = [a + b for a, b in zip(sums, group_sums)]

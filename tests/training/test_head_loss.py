@@ -42,8 +42,11 @@ def test_matches_float64_autograd(shape, dtype):
     assert loss.dtype == torch.float32 and ce.shape == (n,) and top.shape == (argmax_rows,)
     assert float(loss.detach()) == pytest.approx(float(want_loss), rel=tol, abs=1e-6)
     torch.testing.assert_close(ce.double(), want_ce, rtol=tol, atol=1e-5)
-    if dtype == torch.float32:
-        assert torch.equal(top, want_top[:argmax_rows])
+    if dtype == torch.float32:  # the argmax wherever the reference's top two are apart (no near ties)
+        logits = (x.detach().double() @ weight.detach().double().T)[:argmax_rows]
+        best = logits.topk(min(2, vd), dim=-1).values
+        clear = best[:, 0] - best[:, -1] > 1e-4
+        assert torch.equal(top[clear], want_top[:argmax_rows][clear]) and int(clear.sum()) >= 0.9 * argmax_rows
     for got, want in ((x.grad, 2 * want_gx), (weight.grad, 2 * want_gw)):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * (float(want.abs().max()) if want.numel() else 1.0))

@@ -120,7 +120,8 @@ def test_fused_head_loss_is_the_one_hot_loss_of_the_heads_logits(dtype, tol):
     plain[0].backward()
     assert float(fused[0].detach()) == pytest.approx(float(plain[0].detach()), rel=tol)
     assert fused[1] == pytest.approx(plain[1], rel=tol)
-    assert fused[2][1] == plain[2][1] and abs(fused[2][0] - plain[2][0]) <= (0 if dtype == torch.float32 else 3)
+    # top-1 counts: the two products may round a near tie apart, more so in bf16
+    assert fused[2][1] == plain[2][1] and abs(fused[2][0] - plain[2][0]) <= (1 if dtype == torch.float32 else 3)
     for got, want in zip(fused_grads, [x.grad for x in inputs] + [weight.grad]):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
 
