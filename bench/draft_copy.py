@@ -167,8 +167,6 @@ def main() -> None:
     if args.passages < 0:
         raise SystemExit(f"--passages: expected a count >= 0, got {args.passages}")
 
-    import torch
-
     from bench.draft_long_run import KEEP, _spec_bench, held_sets, opening_batch_ids
     from elsi_fast.decoding.evaluation import continuation_samples
     from elsi_fast.draft.formats import read_draft

@@ -251,7 +251,7 @@ def stage_report(names: list[str], runs: Path) -> str:
         dataset = [e["entropy_dataset"] for e in report.layers]
         lines += [f"### {name}", "",
                   f"- prompt-mode entropy h_0..h_{report.num_hidden_layers}: " + " ".join(f"{v:.2f}" for v in prompt),
-                  f"- dataset-mode entropy: " + " ".join(f"{v:.2f}" for v in dataset),
+                  "- dataset-mode entropy: " + " ".join(f"{v:.2f}" for v in dataset),
                   f"- peaks: prompt mode h_{int(np.argmax(prompt))} ({max(prompt):.3f}), dataset mode "
                   f"h_{int(np.argmax(dataset))} ({max(dataset):.3f})",
                   f"- compartments: {report.compartments} (boundaries {report.boundaries})",

@@ -16,7 +16,6 @@ Renyi-2 entropies and the cheap surrogate come from the store's in-RAM statistic
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor

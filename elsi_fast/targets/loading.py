@@ -310,7 +310,6 @@ def export_hf_folder(model, tokenizer, path: str | os.PathLike, *, check: bool =
     fresh model built from the config without the quantization entry."""
     import copy
 
-    import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(path)

@@ -8,8 +8,6 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 from elsi_fast.decoding.experiment_report import claims_tables
 from elsi_fast.decoding.experiments import read_cells
 from elsi_fast.decoding.paired_stats import emitted_tokens

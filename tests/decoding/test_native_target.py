@@ -57,7 +57,7 @@ def test_one_decoder_serves_every_prompt_on_the_targets_threads(native, draft_dt
     for prompt in (PROMPT, PROMPT[:5]):
         result = native_speculative_generate(native, decoder, prompt, 30, 3)
         assert torch.equal(result.tokens, native_greedy_generate(native, prompt, 30))
-        assert result.draft_backend.startswith(f"native cpu (") and f", 2 threads) {draft_dtype}" in result.draft_backend
+        assert result.draft_backend.startswith("native cpu (") and f", 2 threads) {draft_dtype}" in result.draft_backend
     # A draft passed as a module runs on the target's team too.
     result = native_speculative_generate(native, random_draft(native), PROMPT, 10, 2, draft_backend="native")
     assert ", 2 threads) fp32" in result.draft_backend

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
 
 import pytest
 import torch
