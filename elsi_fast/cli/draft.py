@@ -184,6 +184,17 @@ def load_target(args: argparse.Namespace):
                       device_argument="--device", progress=not args.no_progress)
 
 
+def read_target_draft(args: argparse.Namespace, embed_tokens, device=None):
+    """The --draft folder on the target's embedding; a draft of another target (or an unreadable
+    folder) is a usage error that names --draft."""
+    from ..draft.formats import read_draft
+
+    try:
+        return read_draft(args.draft, embed_tokens=embed_tokens, device=device).eval()
+    except ValueError as exc:
+        raise UsageError(f"--draft: {args.draft}: {one_line(exc)}") from None
+
+
 def train_check(args: argparse.Namespace) -> None:
     check_model(args.target, "--target")
     check_device(args.device)
@@ -340,7 +351,6 @@ def lookup_note(args: argparse.Namespace) -> str:
 def eval_handler(args: argparse.Namespace) -> int:
     from ..analysis.prompts import prompts_by_category
     from ..decoding.evaluation import pooled_tau, speculative_runs
-    from ..draft.formats import read_draft
     from ..targets.loading import stop_token_ids
     from ..targets.target_runtime import accelerate, describe_target
 
@@ -354,8 +364,7 @@ def eval_handler(args: argparse.Namespace) -> int:
             accelerate(model, args.target_runtime)
         except ValueError as exc:
             raise UsageError(f"--target-runtime: {exc}") from None
-    draft = read_draft(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
-                       device=model.device).eval()
+    draft = read_target_draft(args, model.get_input_embeddings().weight.detach(), device=model.device)
     grouped = prompts_by_category(args.prompt_list, tokenizer, args.max_prompts, args.max_prompt_tokens)
     progress_file = _eval_progress_file(args) if os.access(args.draft, os.W_OK) else None
     stops = None if args.ignore_eos else stop_token_ids(model, tokenizer)

@@ -116,11 +116,11 @@ def handler(args: argparse.Namespace) -> int:
     native = NativeForward(args.target_path, capacity=capacity, num_threads=args.threads)
     draft = None
     if args.draft is not None:
-        from ..draft import read_draft
+        from .draft import read_target_draft
 
+        module = read_target_draft(args, target_embedding(native))
         try:
-            draft = native_draft_decoder(native, read_draft(args.draft, embed_tokens=target_embedding(native)),
-                                         args.draft_dtype)
+            draft = native_draft_decoder(native, module, args.draft_dtype)
         except ValueError as exc:
             raise UsageError(one_line(exc).replace("draft_dtype=", "--draft-dtype ", 1)) from None
     eos = end_of_generation_ids(tokenizer)

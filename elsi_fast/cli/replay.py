@@ -117,13 +117,11 @@ def check_replay(args: argparse.Namespace) -> None:
 
 def replay_handler(args: argparse.Namespace) -> int:
     from ..decoding.evaluation import continuation_samples, pooled_tau, replay_runs
-    from ..draft.formats import read_draft
     from ..training.feature_cache import build, open_cache, target_fingerprint
-    from .draft import load_target, print_tau_table
+    from .draft import load_target, print_tau_table, read_target_draft
 
     model, _ = load_target(args)
-    draft = read_draft(args.draft, embed_tokens=model.get_input_embeddings().weight.detach(),
-                       device=model.device).eval()
+    draft = read_target_draft(args, model.get_input_embeddings().weight.detach(), device=model.device)
     layers, records = list(draft.config.aux_layer_ids), args.replay_records
     if args.cache_layers is not None:
         _check_cache_layers(args.cache_layers, layers)

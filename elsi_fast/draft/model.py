@@ -271,7 +271,7 @@ class Eagle3Draft(nn.Module):
         expected = (self.config.vocab_size, self.config.hidden_size)
         if tuple(weight.shape) != expected:
             raise ValueError(f"embed_tokens has shape {tuple(weight.shape)}, expected [vocab_size, hidden_size] = "
-                             f"{list(expected)}")
+                             f"{list(expected)}: the draft was trained for a target of that vocabulary and width")
         if not weight.is_floating_point():
             raise TypeError(f"embed_tokens must be floating point, got {weight.dtype}")
         self.embed_tokens = FrozenEmbedding(weight)

@@ -103,6 +103,22 @@ def test_errors_exit_2_with_message(setup, capsys):
     assert "--draft" in capsys.readouterr().err
 
 
+def test_a_draft_of_another_target_is_a_usage_error(setup, capsys):
+    from elsi_fast.draft import Eagle3Config, Eagle3Draft, write_draft
+
+    root, _, target, prompts = setup
+    # The tiny target is 16 wide with 300 tokens; this draft was made for a 24-wide target.
+    other = root / "other-target-draft"
+    write_draft(Eagle3Draft(Eagle3Config(hidden_size=24, intermediate_size=16, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=300, draft_vocab_size=64,
+                                         target_hidden_size=24, aux_layer_ids=[1])), other)
+    assert main(["eval-draft", "--target", str(target), "--draft", str(other), "--prompts", str(prompts),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
+    assert err.startswith(f"elsi-fast eval-draft: error: --draft: {other}: embed_tokens has shape (300, 16)")
+    assert "[300, 24]" in err and "trained for a target" in err
+
+
 def test_demo_end_to_end_with_a_tiny_stdlib_recipe(tmp_path, monkeypatch, capsys):
     from elsi_fast.targets import toy_targets as targets
 
