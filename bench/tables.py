@@ -365,18 +365,20 @@ FIFTH_PASS = FOURTH_PASS + "+800-lr0.001-v16384-answers-t1024" + TASKS_3X
 GEMMA_SECOND_PASS = "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers+1200-v8192-answers"
 GEMMA_TASK_PASS = GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024" + TASKS_3X
 GEMMA_FOURTH_PASS = GEMMA_TASK_PASS + "+2000-lr0.001-v11264-answers-t1024" + TASKS_3X
-# its fifth, widened to two key-value heads (2026-12-07; draft_long_run shortens the long parent name with a hash)
-GEMMA_KV2_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~36eeab4a77"
-                  "+2000-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
-# its sixth, the fifth continued (2026-12-07; the long parent name hashed again)
-GEMMA_SIXTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~4269ec5986"
-                    "+2500-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
-# its seventh, the sixth continued (2026-12-07)
-GEMMA_SEVENTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~1a7006c5dc"
-                      "+2500-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
-# its eighth, the seventh continued (2026-12-07)
-GEMMA_EIGHTH_PASS = (GEMMA_SECOND_PASS + "+1200-lr0.001-v11264-answers-t1024-r~bb7ecef583"
-                     "+2500-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
+
+
+def gemma_kv2_pass(parent_hash: str, steps: int) -> str:
+    """A pass of the kept Gemma draft with two key-value heads: draft_long_run shortens its long parent
+    name to the first steps and a hash of the whole (`continued_cell_name`)."""
+    return (GEMMA_SECOND_PASS + f"+1200-lr0.001-v11264-answers-t1024-r~{parent_hash}"
+            f"+{steps}-lr0.001-v11264-kv2-answers-t1024" + TASKS_3X)
+
+
+GEMMA_KV2_PASS = gemma_kv2_pass("36eeab4a77", 2000)  # the fifth pass, widened to two key-value heads (2026-12-07)
+GEMMA_SIXTH_PASS = gemma_kv2_pass("4269ec5986", 2500)  # each later one continues the one before
+GEMMA_SEVENTH_PASS = gemma_kv2_pass("1a7006c5dc", 2500)
+GEMMA_EIGHTH_PASS = gemma_kv2_pass("bb7ecef583", 2500)
+GEMMA_NINTH_PASS = gemma_kv2_pass("81d7e23fa5", 2500)
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -962,7 +964,7 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps500+300+300-v8192",
                          "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers", GEMMA_SECOND_PASS,
                          GEMMA_TASK_PASS, GEMMA_FOURTH_PASS, GEMMA_KV2_PASS, GEMMA_SIXTH_PASS,
-                         GEMMA_SEVENTH_PASS, GEMMA_EIGHTH_PASS)),
+                         GEMMA_SEVENTH_PASS, GEMMA_EIGHTH_PASS, GEMMA_NINTH_PASS)),
     Table("long-run-gemma3-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
           "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
@@ -973,7 +975,8 @@ TABLES: tuple[Table, ...] = (
               "+2000 more, two key-value heads": GEMMA_KV2_PASS,
               "+2500 more, two key-value heads": GEMMA_SIXTH_PASS,
               "+2500 more (seventh pass)": GEMMA_SEVENTH_PASS,
-              "+2500 more (eighth pass)": GEMMA_EIGHTH_PASS},
+              "+2500 more (eighth pass)": GEMMA_EIGHTH_PASS,
+              "+2500 more (ninth pass)": GEMMA_NINTH_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
