@@ -379,6 +379,7 @@ GEMMA_SIXTH_PASS = gemma_kv2_pass("4269ec5986", 2500)  # each later one continue
 GEMMA_SEVENTH_PASS = gemma_kv2_pass("1a7006c5dc", 2500)
 GEMMA_EIGHTH_PASS = gemma_kv2_pass("bb7ecef583", 2500)
 GEMMA_NINTH_PASS = gemma_kv2_pass("81d7e23fa5", 2500)
+GEMMA_TENTH_PASS = gemma_kv2_pass("e84e09cc82", 1500)
 SET_LABELS = {"held-in": "held in (200)", "held-out": "held out (200)", "held-out-128": "held out, 128 tokens (200)",
               "spec-bench": "Spec-Bench (480)", "held-out-openings": "held out, after task openings (200)"}
 
@@ -964,7 +965,8 @@ TABLES: tuple[Table, ...] = (
                          "elsi-m1-seed0-steps500+300+300-v8192",
                          "elsi-m1-seed0-steps500+300+300-v8192+1200-v8192-answers", GEMMA_SECOND_PASS,
                          GEMMA_TASK_PASS, GEMMA_FOURTH_PASS, GEMMA_KV2_PASS, GEMMA_SIXTH_PASS,
-                         GEMMA_SEVENTH_PASS, GEMMA_EIGHTH_PASS, GEMMA_NINTH_PASS)),
+                         GEMMA_SEVENTH_PASS, GEMMA_EIGHTH_PASS, GEMMA_NINTH_PASS,
+                         GEMMA_TENTH_PASS)),
     Table("long-run-gemma3-task-prompts", "docs/real-models.md", "draft_long_run_cpu.jsonl: draft_long_run, tau_k4 "
           "(pooled and Spec-Bench per category) of the kept Gemma 3 draft's second pass on all the data and its third "
           "with Gemma's answers to the task prompts drawn 3x as often and the vocabulary grown to 11,264",
@@ -976,7 +978,8 @@ TABLES: tuple[Table, ...] = (
               "+2500 more, two key-value heads": GEMMA_SIXTH_PASS,
               "+2500 more (seventh pass)": GEMMA_SEVENTH_PASS,
               "+2500 more (eighth pass)": GEMMA_EIGHTH_PASS,
-              "+2500 more (ninth pass)": GEMMA_NINTH_PASS},
+              "+2500 more (ninth pass)": GEMMA_NINTH_PASS,
+              "+1500 more (tenth pass)": GEMMA_TENTH_PASS},
               ("translation", "summarization", "rag", "qa", "math_reasoning", "writing", "stem"))),
     Table("draft-vocab-ceiling", "docs/real-models.md", "draft_vocab_ceiling_cpu.jsonl: draft_vocab_ceiling, "
           "spec_bench_coverage and spec_bench_ceiling_tau_k4 of each vocabulary size and target", vocab_ceiling),
